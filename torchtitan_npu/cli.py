@@ -1,0 +1,123 @@
+"""``titan-npu``: train | doctor | compat.
+
+Importing this module (and ``titan-npu --help``) must not import torch.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from torchtitan_npu.config import resolve
+
+    config = resolve(args.config, overrides)
+    dump_folder = Path(config.get("job", {}).get("dump_folder", "./outputs"))
+    dump_folder.mkdir(parents=True, exist_ok=True)
+    resolved = dump_folder / "titan_npu_config.json"
+    resolved.write_text(json.dumps(config, indent=2))
+    env = dict(os.environ)
+    if args.device:
+        from torchtitan_npu.distributed import DEVICE_ENV
+
+        env[DEVICE_ENV] = args.device
+    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(args)]
+    command += ["-m", "torchtitan_npu.entry", str(resolved)]
+    print("titan-npu: " + " ".join(command), flush=True)
+    return subprocess.call(command, env=env)
+
+
+def torchrun_args(args: argparse.Namespace) -> list[str]:
+    """torchrun flags: standalone on one node, c10d rendezvous across nodes."""
+    flags = [f"--nproc-per-node={args.nproc_per_node}"]
+    if args.nnodes == "1" and not args.rdzv_endpoint:
+        flags.append("--standalone")
+    else:
+        if not args.rdzv_endpoint:
+            raise SystemExit("titan-npu train: --nnodes > 1 needs --rdzv-endpoint")
+        flags += [
+            f"--nnodes={args.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={args.rdzv_endpoint}",
+            f"--rdzv-id={args.rdzv_id}",
+        ]
+    if not args.log_all_ranks:
+        flags.append("--local-ranks-filter=0")
+    return flags
+
+
+def _doctor(args: argparse.Namespace, rest: list[str]) -> int:
+    from torchtitan_npu.tools.doctor import run
+
+    return run()
+
+
+def _compat_check(args: argparse.Namespace, rest: list[str]) -> int:
+    from torchtitan_npu.tools.compat_tool import check_installed
+
+    return check_installed()
+
+
+def _compat_record(args: argparse.Namespace, rest: list[str]) -> int:
+    from torchtitan_npu.tools.compat_tool import record_installed
+
+    return record_installed()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="titan-npu",
+        description="Train upstream torchtitan on npu > cuda > cpu, fork-free.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser(
+        "train",
+        help="train (default: the embedded debug llama3)",
+        description=(
+            "Train with a titan-npu TOML config. Any other --section.key value "
+            "overrides the config, e.g. --training.steps 50."
+        ),
+    )
+    train.add_argument("--config", help="train-config TOML (default: llama3 debug)")
+    train.add_argument("--nproc-per-node", default="1", help="processes per node")
+    train.add_argument("--nnodes", default="1", help="nodes (torchrun syntax)")
+    train.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous")
+    train.add_argument("--rdzv-id", default="titan-npu", help="rendezvous job id")
+    train.add_argument("--device", choices=["npu", "cuda", "cpu"], help="force one")
+    train.add_argument(
+        "--log-all-ranks", action="store_true", help="print every rank's log"
+    )
+    train.set_defaults(handler=_train)
+
+    doctor = commands.add_parser("doctor", help="versions, device, patch table")
+    doctor.set_defaults(handler=_doctor)
+
+    compat = commands.add_parser("compat", help="upstream.lock tools")
+    compat_commands = compat.add_subparsers(dest="compat_command", required=True)
+    compat_commands.add_parser(
+        "check", help="verify every patch target of the installed upstream"
+    ).set_defaults(handler=_compat_check)
+    compat_commands.add_parser(
+        "record", help="record the installed upstream's fingerprints in the lock"
+    ).set_defaults(handler=_compat_record)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return args.handler(args, rest)
+    except ValueError as e:  # ConfigError and other user-facing errors
+        print(f"titan-npu: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

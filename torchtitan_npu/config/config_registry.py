@@ -1,0 +1,144 @@
+"""Translate a project train config to the config-registry era (torchtitan 0.3.x).
+
+Upstream 0.3.x builds a ``Trainer.Config`` from a Python config function
+(``--module M --config F``). titan-npu is such a module: ``titan_npu`` below
+starts from the upstream function for the model and flavor (``llama3`` +
+``debugmodel`` -> ``llama3_debugmodel``) and sets every key of the project's
+TOML on it, renamed where 0.3.x moved it. A key with no 0.3.x counterpart is a
+``ConfigError`` naming the key and the era.
+"""
+
+import importlib
+import json
+import os
+from typing import Any
+
+from torchtitan_npu.config.fields import get_path, has_path, set_path
+from torchtitan_npu.config.schema import ConfigError, flatten
+
+ERA = "config_registry"
+RESOLVED_CONFIG_ENV = "TITAN_NPU_RESOLVED_CONFIG"
+
+# project key -> Trainer.Config path
+_RENAMES = {
+    "job.dump_folder": "dump_folder",
+    "model.hf_assets_path": "hf_assets_path",
+    "training.dataset": "dataloader.dataset",
+    "training.dataset_path": "dataloader.dataset_path",
+    "optimizer.implementation": "optimizer.implementation",
+}
+_SECTION_RENAMES = {"profiling": "profiler", "validation": "validator"}
+# Keys consumed while choosing the base config, or pure descriptions.
+_HANDLED = {"model.name", "model.flavor", "job.description"}
+_OPTIMIZER_KWARGS = {"lr": "lr", "eps": "eps", "weight_decay": "weight_decay"}
+
+
+def base_config(name: str, flavor: str):
+    """Upstream's (or an injected model's) config function for name + flavor."""
+    for package in ("torchtitan.models", "torchtitan_npu.models"):
+        try:
+            registry = importlib.import_module(f"{package}.{name}.config_registry")
+        except ImportError:
+            continue
+        function = getattr(registry, f"{name}_{flavor}", None)
+        if function is None:
+            available = sorted(
+                n.removeprefix(f"{name}_")
+                for n in dir(registry)
+                if n.startswith(f"{name}_") and callable(getattr(registry, n))
+            )
+            raise ConfigError(
+                f"model {name!r} has no flavor {flavor!r} in era {ERA}; "
+                f"known flavors: {available}"
+            )
+        return function()
+    raise ConfigError(f"unknown model {name!r} in era {ERA}")
+
+
+def _activation_checkpoint(mode: str):
+    from torchtitan.distributed.activation_checkpoint import (
+        FullAC,
+        MemoryBudgetAC,
+        SelectiveAC,
+    )
+
+    modes = {
+        "none": None,
+        "full": FullAC.Config,
+        "selective": SelectiveAC.Config,
+        "memory_budget": MemoryBudgetAC.Config,
+    }
+    if mode not in modes:
+        raise ConfigError(f"activation_checkpoint.mode {mode!r}: one of {list(modes)}")
+    return modes[mode] and modes[mode]()
+
+
+def to_trainer_config(config: dict[str, Any], *, version: str):
+    model = config.get("model", {})
+    trainer_config = base_config(model["name"], model["flavor"])
+    flat = flatten(config)
+    ac_mode = flat.pop("activation_checkpoint.mode", None)
+    if ac_mode is not None:
+        trainer_config.activation_checkpoint = _activation_checkpoint(ac_mode)
+    for key, value in flat.items():
+        if key in _HANDLED:
+            continue
+        section, _, leaf = key.partition(".")
+        if key == "model.converters":
+            if value:
+                raise ConfigError(
+                    f"{key!r}: converters are not yet wired for era {ERA} "
+                    f"(torchtitan {version})"
+                )
+            continue
+        if section == "optimizer" and leaf in _OPTIMIZER_KWARGS:
+            for group in trainer_config.optimizer.param_groups:
+                group.optimizer_kwargs[_OPTIMIZER_KWARGS[leaf]] = value
+            continue
+        if key == "optimizer.name":
+            for group in trainer_config.optimizer.param_groups:
+                group.optimizer_name = value
+            continue
+        target = _RENAMES.get(key) or ".".join(
+            [_SECTION_RENAMES.get(section, section), leaf]
+        )
+        if not has_path(trainer_config, target) or (
+            get_path(trainer_config, target) is not None
+            and isinstance(get_path(trainer_config, target), dict)
+        ):
+            raise ConfigError(
+                f"train config key {key!r} has no counterpart in torchtitan "
+                f"{version} (era {ERA})"
+            )
+        set_path(trainer_config, target, value)
+    return trainer_config
+
+
+def titan_npu():
+    """Config function upstream's ConfigManager calls (``--config titan_npu``)."""
+    from torchtitan_npu.bootstrap import activate
+
+    activation = activate()
+    with open(os.environ[RESOLVED_CONFIG_ENV]) as f:
+        config = json.load(f)
+    return to_trainer_config(config, version=activation.upstream.installed.version)
+
+
+def launch(config: dict[str, Any], *, version: str) -> None:
+    """Run upstream's own training entry point with this module as config."""
+    import runpy
+    import sys
+    import tempfile
+
+    # Translate once here so errors surface before upstream starts.
+    to_trainer_config(config, version=version)
+    with tempfile.NamedTemporaryFile(
+        "w", suffix=".json", prefix="titan-npu-config-", delete=False
+    ) as f:
+        json.dump(config, f)
+    os.environ[RESOLVED_CONFIG_ENV] = f.name
+    try:
+        sys.argv = ["torchtitan.train", "--module", __name__, "--config", "titan_npu"]
+        runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
+    finally:
+        os.unlink(f.name)

@@ -1,0 +1,101 @@
+"""The project's train-config format: TOML plus ``--section.key value`` overrides.
+
+A config is a nested dict ``{section: {key: value}}`` in upstream 0.2.x TOML
+layout (``[job] [model] [training] [parallelism] [checkpoint] ...``).
+``EMBEDDED`` values stand for the embedded corpus and tokenizer.
+"""
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+EMBEDDED = "embedded"
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+DEFAULT_CONFIG = MODELS_DIR / "llama3" / "train_configs" / "debug_model.toml"
+
+
+class ConfigError(ValueError):
+    """A train config the running upstream cannot honour."""
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"train config {path} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"train config {path} is not valid TOML: {e}") from e
+
+
+def parse_value(text: str) -> Any:
+    """A TOML literal when it parses as one (1, 2.5, true, [1, 2]), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``--a.b value`` / ``--a.b=value`` pairs as ``{"a.b": value}``."""
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(
+                f"expected a --section.key override, got {arg!r} "
+                "(example: --training.steps 50)"
+            )
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                value = "true"  # a bare flag: --checkpoint.enable
+            else:
+                i += 1
+                value = args[i]
+        overrides[key.replace("-", "_")] = parse_value(value)
+        i += 1
+    return overrides
+
+
+def apply_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> None:
+    for dotted, value in overrides.items():
+        *sections, key = dotted.split(".")
+        node = config
+        for section in sections:
+            node = node.setdefault(section, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--{dotted}: {section} is not a section")
+        node[key] = value
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"training": {"steps": 3}}`` -> ``{"training.steps": 3}``."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def resolve(config_path: str | Path | None, overrides: list[str]) -> dict[str, Any]:
+    """Read a train config, apply overrides and fill in the embedded assets."""
+    config = load_toml(config_path or DEFAULT_CONFIG)
+    apply_overrides(config, parse_overrides(overrides))
+    model = config.setdefault("model", {})
+    training = config.setdefault("training", {})
+    if model.get("hf_assets_path", EMBEDDED) == EMBEDDED or training.get(
+        "dataset"
+    ) == EMBEDDED:
+        from torchtitan_npu.assets import ensure_default_assets
+
+        assets = ensure_default_assets()
+        if model.get("hf_assets_path", EMBEDDED) == EMBEDDED:
+            model["hf_assets_path"] = str(assets.tokenizer_path)
+        if training.get("dataset") == EMBEDDED:
+            training["dataset"] = "c4_test"  # upstream's local-JSON loader
+            training["dataset_path"] = str(assets.dataset_path)
+    return config

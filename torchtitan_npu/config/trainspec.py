@@ -1,0 +1,63 @@
+"""Translate a project train config to the TrainSpec era (torchtitan 0.2.x).
+
+The project's format is 0.2.x's own TOML layout, so translation is a check of
+every key against upstream ``JobConfig`` plus the renames older releases need.
+"""
+
+from typing import Any
+
+from torchtitan_npu.config.fields import has_path
+from torchtitan_npu.config.schema import ConfigError, flatten
+
+ERA = "trainspec"
+
+# Before 0.2.2 the seed and determinism switches lived under [training].
+_LEGACY_DEBUG_KEYS = {
+    "debug.seed": "training.seed",
+    "debug.deterministic": "training.deterministic",
+}
+
+
+def to_job_config(config: dict[str, Any], *, version: str) -> dict[str, Any]:
+    """The nested dict upstream's ``--job.config_file`` TOML should contain."""
+    from torchtitan.config import JobConfig
+
+    defaults = JobConfig()
+    out: dict[str, Any] = {}
+    for key, value in flatten(config).items():
+        target = key
+        if not has_path(defaults, key) and key in _LEGACY_DEBUG_KEYS:
+            target = _LEGACY_DEBUG_KEYS[key]
+        if not has_path(defaults, target):
+            raise ConfigError(
+                f"train config key {key!r} has no counterpart in torchtitan "
+                f"{version} (era {ERA})"
+            )
+        *sections, leaf = target.split(".")
+        node = out
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return out
+
+
+def launch(config: dict[str, Any], *, version: str) -> None:
+    """Run upstream's own training entry point on the translated config."""
+    import os
+    import runpy
+    import sys
+    import tempfile
+
+    import tomli_w
+
+    job = to_job_config(config, version=version)
+    with tempfile.NamedTemporaryFile(
+        "w", suffix=".toml", prefix="titan-npu-job-", delete=False
+    ) as f:
+        f.write(tomli_w.dumps(job))
+    try:
+        sys.argv = ["torchtitan.train", "--job.config_file", f.name]
+        # 0.2.0 has no main(); running the module as __main__ works everywhere.
+        runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
+    finally:
+        os.unlink(f.name)

@@ -1,0 +1,17 @@
+"""Device and backend selection: npu (hccl) > cuda (nccl) > cpu (gloo)."""
+
+from torchtitan_npu.distributed.device import (
+    DEVICE_ENV,
+    TorchNpuLoadError,
+    backend_for,
+    load_torch_npu,
+    select_device_type,
+)
+
+__all__ = [
+    "DEVICE_ENV",
+    "TorchNpuLoadError",
+    "backend_for",
+    "load_torch_npu",
+    "select_device_type",
+]

@@ -1,0 +1,139 @@
+"""Patches every era needs: device choice and SUM-only gradient reduction."""
+
+from torchtitan_npu.overlay.registry import Change, Patch, PatchContext, Target
+
+ALL_ERAS = ("trainspec", "config_registry")
+
+
+def _device_module(device_type: str):
+    import torch
+
+    if device_type == "cpu":
+        from torchtitan_npu.distributed import cpu_device_module
+
+        return cpu_device_module
+    return getattr(torch, device_type)
+
+
+def _upstream_detected_device() -> str:
+    from torch._utils import _get_available_device_type
+
+    # Upstream's own rule: whatever torch reports, else "cuda".
+    return _get_available_device_type() or "cuda"
+
+
+def _apply_device(target: Target, ctx: PatchContext) -> list[Change]:
+    device_type, device_module = ctx.device_type, _device_module(ctx.device_type)
+
+    def get_device_info():
+        return device_type, device_module
+
+    module = target.owner
+    return [
+        Change(module, "get_device_info", get_device_info),
+        Change(module, "device_type", device_type, rebind=True),
+        Change(module, "device_module", device_module, rebind=True),
+    ]
+
+
+def _skip_device(ctx: PatchContext) -> str | None:
+    detected = _upstream_detected_device()
+    if detected == ctx.device_type:
+        return f"upstream detects {detected} itself"
+    return None
+
+
+DEVICE = Patch(
+    name="device",
+    target="torchtitan.tools.utils:get_device_info",
+    kind="replace",
+    reason=(
+        "upstream picks `_get_available_device_type() or 'cuda'` once at import "
+        "and ~10 modules copy it by value; on a CPU host it says 'cuda'. Sets the "
+        "selected device and a torch.cuda-shaped CPU module (memory stats, integer "
+        "current_device for barrier(device_ids=...)) and rebinds every copy."
+    ),
+    eras=ALL_ERAS,
+    apply=_apply_device,
+    skip=_skip_device,
+)
+
+
+def _apply_sum_reduction(target: Target, ctx: PatchContext) -> list[Change]:
+    original = target.obj
+
+    def get_gradient_divide_factors(
+        reduce_scatter_group,
+        all_reduce_group,
+        reduce_dtype,
+        device_type="",
+        factor=None,
+        force_sum_reduction_for_comms=False,
+    ):
+        return original(
+            reduce_scatter_group,
+            all_reduce_group,
+            reduce_dtype,
+            device_type,
+            factor,
+            True,
+        )
+
+    return [Change(target.owner, target.attr, get_gradient_divide_factors)]
+
+
+def _skip_sum_reduction(ctx: PatchContext) -> str | None:
+    if ctx.backend in ("gloo", "hccl"):
+        return None
+    return f"{ctx.backend} supports AVG and PREMUL_SUM"
+
+
+FSDP_SUM_REDUCTION = Patch(
+    name="fsdp_sum_reduction",
+    target=(
+        "torch.distributed.fsdp._fully_shard._fsdp_collectives"
+        ":_get_gradient_divide_factors"
+    ),
+    kind="wrap",
+    reason=(
+        "FSDP2 reduce-scatters gradients with ReduceOp.AVG or PREMUL_SUM when "
+        "torchtitan sets a divide factor; gloo has neither and HCCL lacks "
+        "PREMUL_SUM. Forces SUM collectives with a separate divide (FSDP2's own "
+        "force_sum_reduction_for_comms path)."
+    ),
+    eras=ALL_ERAS,
+    apply=_apply_sum_reduction,
+    skip=_skip_sum_reduction,
+)
+
+
+def skip_unless_cpu(ctx: PatchContext) -> str | None:
+    return None if ctx.device_type == "cpu" else f"not on cpu ({ctx.device_type})"
+
+
+def _apply_flex_cpu_backward(target: Target, ctx: PatchContext) -> list[Change]:
+    original = target.obj
+
+    def validate_device(query, key, value):
+        if query.device.type == "cpu":
+            return  # the eager path differentiates through its math reference
+        original(query, key, value)
+
+    return [Change(target.owner, target.attr, validate_device)]
+
+
+FLEX_CPU_BACKWARD = Patch(
+    name="flex_cpu_backward",
+    target="torch.nn.attention.flex_attention:_validate_device",
+    kind="wrap",
+    reason=(
+        "torch refuses FlexAttention inputs that require grad on CPU because its "
+        "compiled CPU kernel has no backward; the eager path (used on CPU through "
+        "the eager_flex_attention patch) has a math backward and trains."
+    ),
+    eras=ALL_ERAS,
+    apply=_apply_flex_cpu_backward,
+    skip=skip_unless_cpu,
+)
+
+PATCHES = [DEVICE, FSDP_SUM_REDUCTION, FLEX_CPU_BACKWARD]

@@ -1,0 +1,52 @@
+"""Patches of the config-registry era (torchtitan 0.3.x)."""
+
+from torchtitan_npu.overlay.common import skip_unless_cpu
+from torchtitan_npu.overlay.registry import Change, Patch, PatchContext, Target
+
+
+def _apply_eager_flex(target: Target, ctx: PatchContext) -> list[Change]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def compiled_flex_attn(
+        q,
+        k,
+        v,
+        *,
+        score_mod,
+        block_mask,
+        scale,
+        enable_gqa,
+        return_aux,
+        kernel_options,
+    ):
+        # Eager flex_attention differentiates on CPU (see flex_cpu_backward);
+        # the compiled CPU kernel cannot. kernel_options tune compiled kernels.
+        return flex_attention(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            return_aux=return_aux,
+        )
+
+    return [Change(target.owner, target.attr, staticmethod(compiled_flex_attn))]
+
+
+EAGER_FLEX_ATTENTION = Patch(
+    name="eager_flex_attention",
+    target="torchtitan.models.common.attention:FlexAttention.compiled_flex_attn",
+    kind="replace",
+    reason=(
+        "the compiled FlexAttention kernel has no backward on CPU ('FlexAttention "
+        "does not support backward on CPU'); 0.3.x rejects sdpa for LMs, so every "
+        "CPU run needs the eager path."
+    ),
+    eras=("config_registry",),
+    apply=_apply_eager_flex,
+    skip=skip_unless_cpu,
+)
+
+PATCHES = [EAGER_FLEX_ATTENTION]

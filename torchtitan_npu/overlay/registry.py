@@ -1,0 +1,230 @@
+"""The patch registry: declarative records, applied once, verified, revertible.
+
+A patch names its target as ``"module:qualname"``. Before anything is changed,
+every target of the active patch set is resolved and its source fingerprint is
+compared with the one upstream.lock recorded for the installed upstream: a
+missing target or a changed fingerprint is a ``PatchTargetError`` naming the
+patch, the target and the upstream version — never a silent skip.
+"""
+
+import contextlib
+import hashlib
+import importlib
+import inspect
+import sys
+import textwrap
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+PatchKind = Literal["wrap", "replace", "polyfill", "inject"]
+
+# By-value copies (``from torchtitan.tools.utils import device_type``) are
+# rebound only in modules under these prefixes.
+REBIND_PREFIXES = ("torchtitan.", "torchtitan_npu.")
+
+
+class PatchTargetError(ValueError):
+    """A patch target is missing or changed in the installed upstream."""
+
+
+@dataclass(frozen=True)
+class PatchContext:
+    """What a patch may depend on: the running upstream and device."""
+
+    upstream_version: str
+    era: str
+    device_type: str
+    backend: str
+    tested: bool  # False when running an untested upstream by opt-in
+
+
+@dataclass(frozen=True)
+class Change:
+    """Set ``owner.attr = value``; with ``rebind``, also in by-value importers."""
+
+    owner: Any
+    attr: str
+    value: Any
+    rebind: bool = False
+
+
+@dataclass(frozen=True)
+class Target:
+    """A resolved patch target."""
+
+    spec: str  # "module:qualname"
+    owner: Any  # the module or class holding the attribute
+    attr: str
+    obj: Any  # the current (original) value
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One overlay patch.
+
+    ``apply(target, ctx)`` returns the changes to make. ``skip(ctx)`` returns a
+    reason when the patch is not needed in this context (e.g. "not on cpu"), or
+    None when it must be applied.
+    """
+
+    name: str
+    target: str
+    kind: PatchKind
+    reason: str
+    eras: tuple[str, ...]
+    apply: Callable[[Target, PatchContext], list[Change]]
+    skip: Callable[[PatchContext], str | None] = field(default=lambda ctx: None)
+
+
+def resolve_target(spec: str) -> Target:
+    """Import the module and walk the qualname; raise AttributeError/ImportError."""
+    module_name, _, qualname = spec.partition(":")
+    owner: Any = importlib.import_module(module_name)
+    *parents, attr = qualname.split(".")
+    for part in parents:
+        owner = getattr(owner, part)
+    # Read through __dict__ first so staticmethod/classmethod stay wrapped.
+    obj = vars(owner)[attr] if attr in vars(owner) else getattr(owner, attr)
+    return Target(spec=spec, owner=owner, attr=attr, obj=obj)
+
+
+def fingerprint(obj: Any) -> str:
+    """sha256 (16 hex) of the dedented source of a function, method or class."""
+    func = obj.__func__ if isinstance(obj, staticmethod | classmethod) else obj
+    source = textwrap.dedent(inspect.getsource(func))
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+@dataclass
+class PatchStatus:
+    """One row of the patch table."""
+
+    patch: Patch
+    state: Literal["applied", "not needed", "drifted", "missing", "pending"]
+    detail: str = ""
+    found: str | None = None  # fingerprint found in the installed upstream
+    expected: str | None = None  # fingerprint recorded in upstream.lock
+
+
+def check(
+    patches: list[Patch], ctx: PatchContext, expected: dict[str, str]
+) -> list[PatchStatus]:
+    """Resolve and fingerprint every target without changing anything."""
+    rows = []
+    for patch in patches:
+        want = expected.get(patch.target)
+        try:
+            target = resolve_target(patch.target)
+        except (ImportError, AttributeError, KeyError) as e:
+            rows.append(PatchStatus(patch, "missing", f"{type(e).__name__}: {e}"))
+            continue
+        found = fingerprint(target.obj)
+        if want is None:
+            rows.append(PatchStatus(patch, "drifted", "no fingerprint in lock", found))
+        elif found != want:
+            rows.append(
+                PatchStatus(patch, "drifted", "source changed", found, want)
+            )
+        else:
+            skip = patch.skip(ctx)
+            state = "not needed" if skip else "pending"
+            rows.append(PatchStatus(patch, state, skip or "", found, want))
+    return rows
+
+
+@dataclass
+class _Applied:
+    patch: Patch
+    undo: list[tuple[Any, str, Any, bool]]  # (owner, attr, old, had_attr)
+
+
+class Overlay:
+    """Applies a patch set once, in declared order, and can revert it."""
+
+    def __init__(self) -> None:
+        self._applied: list[_Applied] = []
+        self.status: list[PatchStatus] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._applied)
+
+    def apply(
+        self, patches: list[Patch], ctx: PatchContext, expected: dict[str, str]
+    ) -> list[PatchStatus]:
+        """Verify every target, then apply the needed patches (idempotent)."""
+        if self._applied:
+            return self.status
+        names = [p.name for p in patches]
+        duplicates = {n for n in names if names.count(n) > 1}
+        assert not duplicates, f"duplicate patch names: {sorted(duplicates)}"
+        rows = check(patches, ctx, expected)
+        problems = [r for r in rows if r.state in ("missing", "drifted")]
+        for row in problems:
+            message = (
+                f"overlay patch {row.patch.name!r}: target {row.patch.target} is "
+                f"{row.state} in torchtitan {ctx.upstream_version} ({row.detail}; "
+                f"found {row.found}, upstream.lock has {row.expected})"
+            )
+            if ctx.tested:
+                raise PatchTargetError(
+                    message + ". Re-verify the patch against this upstream, then "
+                    "run `titan-npu compat record`."
+                )
+            warnings.warn("UNTESTED UPSTREAM: " + message, stacklevel=2)
+        for row in rows:
+            if row.state == "missing" or row.state == "not needed":
+                continue
+            target = resolve_target(row.patch.target)
+            undo = [_set(c) for c in row.patch.apply(target, ctx)]
+            self._applied.append(_Applied(row.patch, [u for us in undo for u in us]))
+            if row.state == "pending":
+                row.state = "applied"
+            else:  # drifted but applied under the untested opt-in
+                row.detail += "; applied anyway (untested upstream)"
+        self.status = rows
+        return rows
+
+    def revert(self) -> None:
+        """Undo every change, newest first."""
+        while self._applied:
+            applied = self._applied.pop()
+            for owner, attr, old, had in reversed(applied.undo):
+                if had:
+                    setattr(owner, attr, old)
+                else:
+                    delattr(owner, attr)
+        self.status = []
+
+    @contextlib.contextmanager
+    def applied(
+        self, patches: list[Patch], ctx: PatchContext, expected: dict[str, str]
+    ) -> Iterator[list[PatchStatus]]:
+        """Apply for the duration of a block (tests, A/B runs)."""
+        rows = self.apply(patches, ctx, expected)
+        try:
+            yield rows
+        finally:
+            self.revert()
+
+
+def _set(change: Change) -> list[tuple[Any, str, Any, bool]]:
+    """Make one change; return how to undo it (including rebinding)."""
+    owner, attr = change.owner, change.attr
+    had = attr in vars(owner)
+    old = vars(owner).get(attr)
+    undo = [(owner, attr, old, had)]
+    setattr(owner, attr, change.value)
+    if change.rebind and had:
+        for name, module in list(sys.modules.items()):
+            if module is None or module is owner or not name.startswith(REBIND_PREFIXES):
+                continue
+            if vars(module).get(attr, _MISSING) is old:
+                undo.append((module, attr, old, True))
+                setattr(module, attr, change.value)
+    return undo
+
+
+_MISSING = object()

@@ -1,0 +1,51 @@
+"""Patches of the TrainSpec era (torchtitan 0.2.x)."""
+
+from torchtitan_npu.overlay.common import skip_unless_cpu
+from torchtitan_npu.overlay.registry import Change, Patch, PatchContext, Target
+
+
+def _apply_eager_flex(target: Target, ctx: PatchContext) -> list[Change]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        score_mod=None,
+        block_mask=None,
+        scale=None,
+        return_lse=False,
+        enable_gqa=False,
+    ):
+        # Eager flex_attention differentiates on CPU (see flex_cpu_backward);
+        # the compiled CPU kernel cannot.
+        return flex_attention(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            return_lse=return_lse,
+        )
+
+    return [Change(target.owner, target.attr, forward)]
+
+
+EAGER_FLEX_ATTENTION = Patch(
+    name="eager_flex_attention",
+    target="torchtitan.models.attention:FlexAttentionWrapper.forward",
+    kind="replace",
+    reason=(
+        "the compiled FlexAttention kernel has no backward on CPU; flex flavours "
+        "and context parallelism need the eager path there."
+    ),
+    eras=("trainspec",),
+    apply=_apply_eager_flex,
+    skip=skip_unless_cpu,
+)
+
+PATCHES = [EAGER_FLEX_ATTENTION]
