@@ -1,12 +1,16 @@
 """Per-process training entry: ``python -m torchtitan_npu.entry CONFIG.json``.
 
 torchrun starts one of these per rank. It activates the overlay (so drift or
-an untested upstream stops the run before training starts), then hands the
-resolved config to the running era's upstream entry point.
+an untested upstream stops the run before training starts), translates the
+resolved config for the running era and runs upstream's own ``torchtitan.train``
+as ``__main__``.
 """
 
 import json
+import os
+import runpy
 import sys
+import tempfile
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -17,14 +21,21 @@ def main(argv: list[str] | None = None) -> None:
         config = json.load(f)
 
     from torchtitan_npu.bootstrap import activate
-    from torchtitan_npu.config import launch
+    from torchtitan_npu.compat import resolve_upstream
+    from torchtitan_npu.config import era_translator
 
-    activation = activate()
-    launch(
-        config,
-        era=activation.upstream.era,
-        version=activation.upstream.installed.version,
-    )
+    translator = era_translator(resolve_upstream().era)
+    fd, job_file = tempfile.mkstemp(prefix="titan-npu-job-")
+    os.close(fd)
+    try:
+        sys.argv = ["torchtitan.train", *translator.upstream_argv(job_file)]
+        activation = activate()  # imports torchtitan
+        version = activation.upstream.installed.version
+        translator.write_upstream_config(config, version=version, path=job_file)
+        # 0.2.0 has no main(); running the module as __main__ works everywhere.
+        runpy.run_module("torchtitan.train", run_name="__main__")
+    finally:
+        os.unlink(job_file)
 
 
 if __name__ == "__main__":

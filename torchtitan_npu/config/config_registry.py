@@ -124,21 +124,13 @@ def titan_npu():
     return to_trainer_config(config, version=activation.upstream.installed.version)
 
 
-def launch(config: dict[str, Any], *, version: str) -> None:
-    """Run upstream's own training entry point with this module as config."""
-    import runpy
-    import sys
-    import tempfile
+def upstream_argv(job_file: str) -> list[str]:
+    """Upstream's command line: this module's ``titan_npu`` config function."""
+    os.environ[RESOLVED_CONFIG_ENV] = job_file
+    return ["--module", __name__, "--config", "titan_npu"]
 
-    # Translate once here so errors surface before upstream starts.
-    to_trainer_config(config, version=version)
-    with tempfile.NamedTemporaryFile(
-        "w", suffix=".json", prefix="titan-npu-config-", delete=False
-    ) as f:
+
+def write_upstream_config(config: dict[str, Any], *, version: str, path: str) -> None:
+    to_trainer_config(config, version=version)  # surface errors before upstream
+    with open(path, "w") as f:
         json.dump(config, f)
-    os.environ[RESOLVED_CONFIG_ENV] = f.name
-    try:
-        sys.argv = ["torchtitan.train", "--module", __name__, "--config", "titan_npu"]
-        runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
-    finally:
-        os.unlink(f.name)

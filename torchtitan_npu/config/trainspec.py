@@ -41,23 +41,14 @@ def to_job_config(config: dict[str, Any], *, version: str) -> dict[str, Any]:
     return out
 
 
-def launch(config: dict[str, Any], *, version: str) -> None:
-    """Run upstream's own training entry point on the translated config."""
-    import os
-    import runpy
-    import sys
-    import tempfile
+def upstream_argv(job_file: str) -> list[str]:
+    """Upstream's command line: its TOML JobConfig loader reads ``job_file``."""
+    return ["--job.config_file", job_file]
 
+
+def write_upstream_config(config: dict[str, Any], *, version: str, path: str) -> None:
     import tomli_w
 
     job = to_job_config(config, version=version)
-    with tempfile.NamedTemporaryFile(
-        "w", suffix=".toml", prefix="titan-npu-job-", delete=False
-    ) as f:
+    with open(path, "w") as f:
         f.write(tomli_w.dumps(job))
-    try:
-        sys.argv = ["torchtitan.train", "--job.config_file", f.name]
-        # 0.2.0 has no main(); running the module as __main__ works everywhere.
-        runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
-    finally:
-        os.unlink(f.name)
