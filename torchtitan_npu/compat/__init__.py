@@ -54,10 +54,13 @@ def find_entry(
     return None
 
 
-def resolve_upstream() -> Upstream:
+def resolve_upstream(
+    installed: InstalledUpstream | None = None,
+    entries: list[UpstreamEntry] | None = None,
+) -> Upstream:
     """Identify the installed upstream; refuse it unless tested or opted in."""
-    installed = installed_upstream()
-    entries = read_lock()
+    installed = installed or installed_upstream()
+    entries = read_lock() if entries is None else entries
     entry = find_entry(installed, entries)
     if entry is not None:
         return Upstream(installed, entry.era, entry)

@@ -1,0 +1,23 @@
+"""Test setup: upstream stays unpatched in this process unless a test applies
+the overlay itself (the bootstrap hook is off); e2e runs train in subprocesses."""
+
+import os
+
+os.environ["TITAN_NPU_NO_BOOTSTRAP"] = "1"
+
+import pytest  # noqa: E402
+
+from torchtitan_npu.compat import resolve_upstream  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def upstream():
+    return resolve_upstream()
+
+
+def requires_era(era: str):
+    """Skip unless the installed upstream is of ``era`` (nox runs every era)."""
+    return pytest.mark.skipif(
+        resolve_upstream().era != era,
+        reason=f"installed upstream is not of era {era}; `nox -s upstream` runs it",
+    )

@@ -1,0 +1,43 @@
+"""Helpers for end-to-end runs of `titan-npu train` in subprocesses."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS, read_scalars
+
+# Small enough for a 2-core CPU, large enough for the loss to move.
+SMALL_RUN = [
+    "--training.local_batch_size", "2",
+    "--training.seq_len", "128",
+    "--metrics.enable_tensorboard", "true",
+]  # fmt: skip
+
+
+def train(dump_folder: Path, *args: str, nproc: int = 1, steps: int = 4) -> dict:
+    """Run `titan-npu train`; return ``{tag: {step: value}}`` from TensorBoard."""
+    env = {k: v for k, v in os.environ.items() if k != "TITAN_NPU_NO_BOOTSTRAP"}
+    command = [
+        sys.executable, "-m", "torchtitan_npu.cli", "train",
+        "--nproc-per-node", str(nproc),
+        "--job.dump_folder", str(dump_folder),
+        "--training.steps", str(steps),
+        *SMALL_RUN, *args,
+    ]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    log = dump_folder.parent / f"{dump_folder.name}.log"
+    log.write_text(result.stdout + result.stderr)
+    assert result.returncode == 0, f"training failed, see {log}:\n{result.stderr[-3000:]}"
+    return read_scalars(dump_folder)
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    for tag in (LOSS, GRAD_NORM):
+        assert a[tag] == b[tag], f"{tag} differs: {a[tag]} vs {b[tag]}"
+
+
+def assert_loss_falls(scalars: dict) -> None:
+    loss = scalars[LOSS]
+    steps = sorted(loss)
+    assert loss[steps[-1]] < loss[steps[0]], f"loss did not fall: {loss}"

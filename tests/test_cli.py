@@ -1,0 +1,40 @@
+"""The command line: cheap help, clear errors, torchrun flags."""
+
+import subprocess
+import sys
+
+from torchtitan_npu.cli import build_parser, torchrun_args
+
+
+def test_help_does_not_import_torch():
+    code = (
+        "import sys\n"
+        "from torchtitan_npu.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "train" in result.stdout and "doctor" in result.stdout
+
+
+def test_torchrun_flags_single_node_and_multi_node():
+    parser = build_parser()
+    args, _ = parser.parse_known_args(["train", "--nproc-per-node", "2"])
+    assert torchrun_args(args) == [
+        "--nproc-per-node=2", "--standalone", "--local-ranks-filter=0"
+    ]
+    args, _ = parser.parse_known_args(
+        ["train", "--nnodes", "2", "--rdzv-endpoint", "head:29400", "--log-all-ranks"]
+    )
+    assert torchrun_args(args) == [
+        "--nproc-per-node=1", "--nnodes=2", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=head:29400", "--rdzv-id=titan-npu",
+    ]  # fmt: skip
+
+
+def test_bad_override_is_a_clear_error(capsys):
+    from torchtitan_npu.cli import main
+
+    assert main(["train", "--training.bogus_key", "1", "--bad"]) == 2
+    assert "--section.key" in capsys.readouterr().err

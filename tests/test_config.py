@@ -1,0 +1,107 @@
+"""Train-config parsing and its translation to each upstream era."""
+
+import pytest
+
+from conftest import requires_era
+from torchtitan_npu.config import DEFAULT_CONFIG, ConfigError, resolve
+from torchtitan_npu.config.schema import load_toml, parse_overrides
+
+
+def test_overrides_parse_toml_literals_flags_and_strings():
+    assert parse_overrides(
+        ["--training.steps", "5", "--optimizer.lr=3e-4", "--checkpoint.enable",
+         "--job.dump_folder", "out/run", "--parallelism.fsdp-reshard-after-forward",
+         "never"]
+    ) == {
+        "training.steps": 5,
+        "optimizer.lr": 3e-4,
+        "checkpoint.enable": True,
+        "job.dump_folder": "out/run",
+        "parallelism.fsdp_reshard_after_forward": "never",
+    }
+
+
+@pytest.mark.parametrize("bad", [["steps", "5"], ["--steps", "5"]])
+def test_malformed_override_is_an_error(bad):
+    with pytest.raises(ConfigError, match="--section.key"):
+        parse_overrides(bad)
+
+
+def test_resolve_fills_embedded_assets_and_applies_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("TITAN_NPU_CACHE", str(tmp_path))
+    config = resolve(None, ["--training.steps", "3"])
+    assert config["training"]["steps"] == 3
+    assert config["training"]["dataset"] == "c4_test"
+    assert (tmp_path / config["training"]["dataset_path"] / "data.jsonl").exists()
+    assert (tmp_path / config["model"]["hf_assets_path"] / "tokenizer.json").exists()
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_toml(tmp_path / "nope.toml")
+
+
+@requires_era("config_registry")
+def test_config_registry_translation(upstream):
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    from torchtitan_npu.config.config_registry import to_trainer_config
+
+    config = load_toml(DEFAULT_CONFIG)
+    config["training"]["dataset_path"] = "/data/corpus"
+    config["activation_checkpoint"]["mode"] = "full"
+    config["optimizer"]["lr"] = 1e-3
+    trainer = to_trainer_config(config, version=upstream.installed.version)
+    assert trainer.training.steps == config["training"]["steps"]
+    assert trainer.dataloader.dataset_path == "/data/corpus"
+    assert trainer.dump_folder == config["job"]["dump_folder"]
+    assert trainer.debug.seed == 42 and trainer.debug.deterministic is True
+    assert isinstance(trainer.activation_checkpoint, FullAC.Config)
+    assert trainer.optimizer.param_groups[0].optimizer_kwargs["lr"] == 1e-3
+    assert trainer.model_spec.name == "llama3"
+    assert trainer.model_spec.flavor == "debugmodel"
+
+
+@requires_era("config_registry")
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("training.bogus", 1, "'training.bogus' has no counterpart"),
+        ("model.flavor", "huge", "no flavor 'huge'"),
+        ("model.name", "nonesuch", "unknown model 'nonesuch'"),
+    ],
+)
+def test_config_registry_rejects_what_it_cannot_honour(upstream, key, value, match):
+    from torchtitan_npu.config.config_registry import to_trainer_config
+    from torchtitan_npu.config.schema import apply_overrides
+
+    config = load_toml(DEFAULT_CONFIG)
+    apply_overrides(config, {key: value})
+    with pytest.raises(ConfigError, match=match) as info:
+        to_trainer_config(config, version=upstream.installed.version)
+    assert "config_registry" in str(info.value)
+
+
+@requires_era("trainspec")
+def test_trainspec_translation(upstream):
+    from torchtitan.config import JobConfig
+
+    from torchtitan_npu.config.fields import has_path
+    from torchtitan_npu.config.trainspec import to_job_config
+
+    job = to_job_config(load_toml(DEFAULT_CONFIG), version=upstream.installed.version)
+    assert job["training"]["steps"] == load_toml(DEFAULT_CONFIG)["training"]["steps"]
+    # 0.2.2 has [debug]; 0.2.0 and 0.2.1 keep the seed under [training].
+    seed_section = "debug" if has_path(JobConfig(), "debug.seed") else "training"
+    assert job[seed_section]["seed"] == 42
+    assert job[seed_section]["deterministic"] is True
+
+
+@requires_era("trainspec")
+def test_trainspec_rejects_unknown_keys(upstream):
+    from torchtitan_npu.config.trainspec import to_job_config
+
+    config = load_toml(DEFAULT_CONFIG)
+    config["parallelism"]["bogus_degree"] = 2
+    with pytest.raises(ConfigError, match="'parallelism.bogus_degree'.*trainspec"):
+        to_job_config(config, version=upstream.installed.version)

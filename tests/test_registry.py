@@ -1,0 +1,172 @@
+"""The patch registry against the real installed upstream."""
+
+import warnings
+
+import pytest
+import torch
+
+from torchtitan_npu.distributed import backend_for, cpu_device_module
+from torchtitan_npu.overlay import (
+    ERAS,
+    Overlay,
+    PatchContext,
+    PatchTargetError,
+    patches_for,
+)
+from torchtitan_npu.overlay.registry import fingerprint, resolve_target
+
+
+def cpu_context(upstream, *, tested=True) -> PatchContext:
+    return PatchContext(
+        upstream_version=upstream.installed.version,
+        era=upstream.era,
+        device_type="cpu",
+        backend=backend_for("cpu"),
+        tested=tested,
+    )
+
+
+def states(rows) -> dict[str, str]:
+    return {r.patch.name: r.state for r in rows}
+
+
+def test_apply_sets_device_rebinds_copies_and_reverts(upstream):
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.tools.utils as tools_utils
+
+    before_type, before_module = tools_utils.device_type, tools_utils.device_module
+    assert dist_utils.device_type is before_type  # a by-value copy
+    overlay = Overlay()
+    patches = patches_for(upstream.era)
+    with overlay.applied(patches, cpu_context(upstream), upstream.fingerprints) as rows:
+        assert states(rows)["device"] == "applied"
+        assert tools_utils.device_type == "cpu"
+        assert dist_utils.device_type == "cpu"  # rebound
+        assert dist_utils.device_module is cpu_device_module
+        assert tools_utils.get_device_info() == ("cpu", cpu_device_module)
+    assert tools_utils.device_type is before_type
+    assert dist_utils.device_type is before_type
+    assert dist_utils.device_module is before_module
+
+
+def test_apply_is_idempotent_and_revert_restores_originals(upstream):
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    original = _fsdp_collectives._get_gradient_divide_factors
+    overlay = Overlay()
+    patches = patches_for(upstream.era)
+    ctx = cpu_context(upstream)
+    first = overlay.apply(patches, ctx, upstream.fingerprints)
+    wrapped = _fsdp_collectives._get_gradient_divide_factors
+    second = overlay.apply(patches, ctx, upstream.fingerprints)
+    assert second is first
+    assert _fsdp_collectives._get_gradient_divide_factors is wrapped  # not re-wrapped
+    overlay.revert()
+    assert _fsdp_collectives._get_gradient_divide_factors is original
+
+
+def test_sum_reduction_patch_changes_fsdp_reduce_ops(upstream):
+    from torch.distributed import ReduceOp
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    def ops():
+        return _fsdp_collectives._get_gradient_divide_factors(
+            None, None, torch.float32, "cpu", 2.0
+        )
+
+    # Unpatched: PREMUL_SUM(1/2) for the reduce-scatter, which gloo rejects.
+    assert ops()[2] != ReduceOp.SUM and ops()[:2] == (None, None)
+    with Overlay().applied(
+        patches_for(upstream.era), cpu_context(upstream), upstream.fingerprints
+    ):
+        pre, post, reduce_scatter_op, all_reduce_op = ops()
+        assert reduce_scatter_op == ReduceOp.SUM and all_reduce_op == ReduceOp.SUM
+        assert (pre or 1.0) * (post or 1.0) == pytest.approx(2.0)  # a separate divide
+    assert ops()[2] != ReduceOp.SUM
+
+
+def test_drifted_target_is_an_error_before_anything_changes(upstream, monkeypatch):
+    import torchtitan.tools.utils as tools_utils
+
+    def get_device_info():  # upstream "changed" this function
+        return "cuda", torch.cuda
+
+    monkeypatch.setattr(tools_utils, "get_device_info", get_device_info)
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    original = _fsdp_collectives._get_gradient_divide_factors
+    with pytest.raises(PatchTargetError) as info:
+        Overlay().apply(
+            patches_for(upstream.era), cpu_context(upstream), upstream.fingerprints
+        )
+    message = str(info.value)
+    assert "'device'" in message
+    assert "torchtitan.tools.utils:get_device_info" in message
+    assert f"torchtitan {upstream.installed.version}" in message
+    assert "drifted" in message
+    assert _fsdp_collectives._get_gradient_divide_factors is original
+
+
+def test_missing_target_is_an_error(upstream, monkeypatch):
+    patch = patches_for(upstream.era)[-1]  # the era's own flex patch
+    owner = resolve_target(patch.target).owner
+    monkeypatch.delattr(owner, patch.target.rsplit(".", 1)[-1])
+    with pytest.raises(PatchTargetError, match=f"{patch.name}.*is missing"):
+        Overlay().apply(
+            patches_for(upstream.era), cpu_context(upstream), upstream.fingerprints
+        )
+
+
+def test_untested_upstream_drift_is_a_loud_warning(upstream, monkeypatch):
+    import torchtitan.tools.utils as tools_utils
+
+    monkeypatch.setattr(tools_utils, "get_device_info", lambda: ("cuda", torch.cuda))
+    overlay = Overlay()
+    with pytest.warns(UserWarning, match="UNTESTED UPSTREAM.*'device'"):
+        rows = overlay.apply(
+            patches_for(upstream.era),
+            cpu_context(upstream, tested=False),
+            upstream.fingerprints,
+        )
+    try:
+        assert states(rows)["device"] == "drifted"
+        assert tools_utils.device_type == "cpu"  # applied anyway, by opt-in
+    finally:
+        overlay.revert()
+
+
+def test_not_needed_patches_are_reported_not_applied(upstream):
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    original = _fsdp_collectives._get_gradient_divide_factors
+    ctx = PatchContext(upstream.installed.version, upstream.era, "cpu", "nccl", True)
+    with Overlay().applied(patches_for(upstream.era), ctx, upstream.fingerprints) as rows:
+        assert states(rows)["fsdp_sum_reduction"] == "not needed"
+        assert _fsdp_collectives._get_gradient_divide_factors is original
+
+
+@pytest.mark.parametrize("era", ERAS)
+def test_patch_sets_have_unique_names_and_targets(era):
+    patches = patches_for(era)
+    assert len({p.name for p in patches}) == len(patches)
+    assert len({p.target for p in patches}) == len(patches)
+    assert all(p.kind in ("wrap", "replace", "polyfill", "inject") for p in patches)
+    assert all(p.reason for p in patches)
+
+
+def test_every_patch_target_of_installed_upstream_matches_lock(upstream):
+    for patch in patches_for(upstream.era):
+        found = fingerprint(resolve_target(patch.target).obj)
+        assert upstream.fingerprints[patch.target] == found, patch.name
+
+
+def test_cpu_device_module_fills_the_cuda_shaped_api():
+    assert cpu_device_module.current_device() == 0
+    stats = cpu_device_module.memory_stats()
+    assert stats["active_bytes.all.peak"] > 0
+    assert cpu_device_module.get_device_properties().total_memory > 2**30
+    assert cpu_device_module.is_available() is True  # forwarded to torch.cpu
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cpu_device_module.reset_peak_memory_stats()
+        cpu_device_module.empty_cache()

@@ -1,0 +1,17 @@
+"""Real training through `titan-npu train` (torchrun, gloo) on the installed
+upstream: loss falls, and two launches are bit-identical (TensorBoard values)."""
+
+import pytest
+
+from e2e import assert_bit_identical, assert_loss_falls, train
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["single", "fsdp2"])
+def test_training_falls_and_is_deterministic(tmp_path, nproc):
+    first = train(tmp_path / "first", nproc=nproc)
+    second = train(tmp_path / "second", nproc=nproc)
+    assert sorted(first["loss_metrics/global_avg_loss"]) == [1, 2, 3, 4]
+    assert_loss_falls(first)
+    assert_bit_identical(first, second)
