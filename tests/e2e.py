@@ -28,7 +28,9 @@ def train(dump_folder: Path, *args: str, nproc: int = 1, steps: int = 4) -> dict
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     log = dump_folder.parent / f"{dump_folder.name}.log"
     log.write_text(result.stdout + result.stderr)
-    assert result.returncode == 0, f"training failed, see {log}:\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (
+        f"training failed, see {log}:\n{result.stderr[-3000:]}"
+    )
     return read_scalars(dump_folder)
 
 

@@ -18,7 +18,9 @@ def test_assets_are_built_once_and_deterministic(tmp_path, monkeypatch):
     assert (second.tokenizer_path / "tokenizer.json").read_bytes() == tokenizer
 
 
-def test_corpus_is_english_prose_and_tokenizer_fits_the_debug_model(tmp_path, monkeypatch):
+def test_corpus_is_english_prose_and_tokenizer_fits_the_debug_model(
+    tmp_path, monkeypatch
+):
     from tokenizers import Tokenizer
 
     monkeypatch.setenv("TITAN_NPU_CACHE", str(tmp_path))

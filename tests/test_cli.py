@@ -13,7 +13,9 @@ def test_help_does_not_import_torch():
         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     assert "train" in result.stdout and "doctor" in result.stdout
 
@@ -22,7 +24,9 @@ def test_torchrun_flags_single_node_and_multi_node():
     parser = build_parser()
     args, _ = parser.parse_known_args(["train", "--nproc-per-node", "2"])
     assert torchrun_args(args) == [
-        "--nproc-per-node=2", "--standalone", "--local-ranks-filter=0"
+        "--nproc-per-node=2",
+        "--standalone",
+        "--local-ranks-filter=0",
     ]
     args, _ = parser.parse_known_args(
         ["train", "--nnodes", "2", "--rdzv-endpoint", "head:29400", "--log-all-ranks"]

@@ -50,7 +50,9 @@ def test_untested_version_runs_by_opt_in(monkeypatch, upstream):
 def test_git_install_must_match_the_locked_commit():
     entries = read_lock()
     entry = next(e for e in entries if e.commit != "unknown")
-    found = find_entry(InstalledUpstream(entry.version, entry.commit + "0" * 8), entries)
+    found = find_entry(
+        InstalledUpstream(entry.version, entry.commit + "0" * 8), entries
+    )
     assert found == entry
     assert find_entry(InstalledUpstream(entry.version, "f" * 40), entries) is None
     assert find_entry(InstalledUpstream(entry.version, None), entries) == entry

@@ -1,17 +1,24 @@
 """Train-config parsing and its translation to each upstream era."""
 
 import pytest
-
 from conftest import requires_era
+
 from torchtitan_npu.config import DEFAULT_CONFIG, ConfigError, resolve
 from torchtitan_npu.config.schema import load_toml, parse_overrides
 
 
 def test_overrides_parse_toml_literals_flags_and_strings():
     assert parse_overrides(
-        ["--training.steps", "5", "--optimizer.lr=3e-4", "--checkpoint.enable",
-         "--job.dump_folder", "out/run", "--parallelism.fsdp-reshard-after-forward",
-         "never"]
+        [
+            "--training.steps",
+            "5",
+            "--optimizer.lr=3e-4",
+            "--checkpoint.enable",
+            "--job.dump_folder",
+            "out/run",
+            "--parallelism.fsdp-reshard-after-forward",
+            "never",
+        ]
     ) == {
         "training.steps": 5,
         "optimizer.lr": 3e-4,

@@ -140,7 +140,9 @@ def test_not_needed_patches_are_reported_not_applied(upstream):
 
     original = _fsdp_collectives._get_gradient_divide_factors
     ctx = PatchContext(upstream.installed.version, upstream.era, "cpu", "nccl", True)
-    with Overlay().applied(patches_for(upstream.era), ctx, upstream.fingerprints) as rows:
+    with Overlay().applied(
+        patches_for(upstream.era), ctx, upstream.fingerprints
+    ) as rows:
         assert states(rows)["fsdp_sum_reduction"] == "not needed"
         assert _fsdp_collectives._get_gradient_divide_factors is original
 

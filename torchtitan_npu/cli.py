@@ -67,6 +67,13 @@ def _compat_record(args: argparse.Namespace, rest: list[str]) -> int:
     return record_installed()
 
 
+def _compat_docs(args: argparse.Namespace, rest: list[str]) -> int:
+    from torchtitan_npu.tools.versioning import write_policy
+
+    print(f"wrote {write_policy()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="titan-npu",
@@ -104,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     compat_commands.add_parser(
         "record", help="record the installed upstream's fingerprints in the lock"
     ).set_defaults(handler=_compat_record)
+    compat_commands.add_parser(
+        "docs", help="regenerate docs/versioning_policy.md from upstream.lock"
+    ).set_defaults(handler=_compat_docs)
     return parser
 
 

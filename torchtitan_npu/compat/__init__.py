@@ -66,9 +66,7 @@ def resolve_upstream(
         return Upstream(installed, entry.era, entry)
     if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
         return Upstream(installed, detect_era(), None)
-    tested = ", ".join(
-        f"{e.version} ({e.era}, torch {e.torch})" for e in entries
-    )
+    tested = ", ".join(f"{e.version} ({e.era}, torch {e.torch})" for e in entries)
     what = installed.version + (f" @ {installed.commit}" if installed.commit else "")
     raise UntestedUpstreamError(
         f"torchtitan {what} is not a tested upstream of titan-npu.\n"

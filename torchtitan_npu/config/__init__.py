@@ -9,7 +9,13 @@ from torchtitan_npu.config.schema import (
     resolve,
 )
 
-__all__ = ["DEFAULT_CONFIG", "ConfigError", "era_translator", "parse_overrides", "resolve"]
+__all__ = [
+    "DEFAULT_CONFIG",
+    "ConfigError",
+    "era_translator",
+    "parse_overrides",
+    "resolve",
+]
 
 
 def era_translator(era: str) -> ModuleType:

@@ -87,9 +87,10 @@ def resolve(config_path: str | Path | None, overrides: list[str]) -> dict[str, A
     apply_overrides(config, parse_overrides(overrides))
     model = config.setdefault("model", {})
     training = config.setdefault("training", {})
-    if model.get("hf_assets_path", EMBEDDED) == EMBEDDED or training.get(
-        "dataset"
-    ) == EMBEDDED:
+    if (
+        model.get("hf_assets_path", EMBEDDED) == EMBEDDED
+        or training.get("dataset") == EMBEDDED
+    ):
         from torchtitan_npu.assets import ensure_default_assets
 
         assets = ensure_default_assets()

@@ -46,9 +46,7 @@ def get_device_name(device=None) -> str:
 
 
 def get_device_properties(device=None):
-    return SimpleNamespace(
-        name=get_device_name(), total_memory=_total_memory_bytes()
-    )
+    return SimpleNamespace(name=get_device_name(), total_memory=_total_memory_bytes())
 
 
 def memory_stats(device=None) -> dict[str, int]:

@@ -124,9 +124,7 @@ def check(
         if want is None:
             rows.append(PatchStatus(patch, "drifted", "no fingerprint in lock", found))
         elif found != want:
-            rows.append(
-                PatchStatus(patch, "drifted", "source changed", found, want)
-            )
+            rows.append(PatchStatus(patch, "drifted", "source changed", found, want))
         else:
             skip = patch.skip(ctx)
             state = "not needed" if skip else "pending"
@@ -219,7 +217,11 @@ def _set(change: Change) -> list[tuple[Any, str, Any, bool]]:
     setattr(owner, attr, change.value)
     if change.rebind and had:
         for name, module in list(sys.modules.items()):
-            if module is None or module is owner or not name.startswith(REBIND_PREFIXES):
+            if (
+                module is None
+                or module is owner
+                or not name.startswith(REBIND_PREFIXES)
+            ):
                 continue
             if vars(module).get(attr, _MISSING) is old:
                 undo.append((module, attr, old, True))

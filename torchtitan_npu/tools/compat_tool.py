@@ -19,8 +19,11 @@ from torchtitan_npu.tools.table import format_table
 def _inspect_installed():
     """(installed, entry or None, era, status rows) without applying patches."""
     bootstrap._remove_hook()  # inspect upstream as it is, unpatched
-    from torchtitan_npu.distributed import backend_for, load_torch_npu
-    from torchtitan_npu.distributed import select_device_type
+    from torchtitan_npu.distributed import (
+        backend_for,
+        load_torch_npu,
+        select_device_type,
+    )
 
     load_torch_npu()
     installed = installed_upstream()

@@ -1,0 +1,70 @@
+"""docs/versioning_policy.md, generated from upstream.lock (`titan-npu compat docs`)."""
+
+from pathlib import Path
+
+from torchtitan_npu.compat import UpstreamEntry, lock_path, read_lock
+from torchtitan_npu.tools.table import format_markdown_table
+
+ERA_DESCRIPTIONS = {
+    "trainspec": "TOML JobConfig + TrainSpec + ModelConverter registry",
+    "config_registry": "Python config registry + ModelSpec + config overrides",
+}
+
+
+def render(entries: list[UpstreamEntry]) -> str:
+    rows = [
+        [
+            e.version + (" (default)" if e.default else ""),
+            e.era,
+            e.torch,
+            e.status,
+            f"`{e.commit}`",
+            f"`{e.wheel_sha256[:16]}…`",
+            str(len(e.fingerprints)),
+        ]
+        for e in entries
+    ]
+    table = format_markdown_table(
+        ["torchtitan", "era", "torch", "status", "commit", "wheel sha256", "patches"],
+        rows,
+    )
+    eras = "\n".join(f"- `{era}`: {text}" for era, text in ERA_DESCRIPTIONS.items())
+    notes = "\n".join(f"- {e.version}: {e.notes}" for e in entries if e.notes)
+    return f"""# Versioning policy and upstream sync table
+
+<!-- Generated from upstream.lock by `titan-npu compat docs`; do not edit. -->
+
+titan-npu runs only on the upstream torchtitan snapshots below. Any other
+version is refused at import with the list of tested ones; set
+`TITAN_NPU_ALLOW_UNTESTED=1` to run anyway (the era is feature-detected and
+every patch-target drift becomes a loud warning).
+
+{table}
+
+API eras:
+{eras}
+
+Notes:
+{notes}
+
+## Syncing to a new upstream release
+
+1. Install it beside titan-npu (`uv pip install torchtitan==X`).
+2. `titan-npu compat check` — shows every patch target: ok, drifted or missing.
+3. Read each drifted target's upstream diff; adapt or retire the patch.
+4. `titan-npu compat record` — records the new fingerprints in upstream.lock
+   (a new version enters as `experimental`: fill in `wheel_sha256`, `torch`).
+5. `nox -s upstream` (and the matrix) on the new entry; mark it `tested`.
+6. `titan-npu compat docs` — regenerates this page.
+"""
+
+
+def policy_path() -> Path:
+    return lock_path().parent / "docs" / "versioning_policy.md"
+
+
+def write_policy() -> Path:
+    path = policy_path()
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(render(read_lock()))
+    return path
