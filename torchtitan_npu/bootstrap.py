@@ -42,7 +42,7 @@ def activate(device_type: str | None = None) -> Activation:
     )
     from torchtitan_npu.overlay import patches_for
 
-    _remove_hook()
+    remove_hook()
     load_torch_npu()
     upstream = resolve_upstream()
     device = select_device_type(device_type)
@@ -71,7 +71,7 @@ class _ActivateOnUpstreamImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname != "torchtitan":
             return None
-        _remove_hook()
+        remove_hook()
         spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:
             return spec
@@ -88,7 +88,7 @@ class _ActivateOnUpstreamImport(importlib.abc.MetaPathFinder):
 _HOOK = _ActivateOnUpstreamImport()
 
 
-def _remove_hook() -> None:
+def remove_hook() -> None:
     if _HOOK in sys.meta_path:
         sys.meta_path.remove(_HOOK)
 

@@ -18,7 +18,7 @@ from torchtitan_npu.tools.table import format_table
 
 def _inspect_installed():
     """(installed, entry or None, era, status rows) without applying patches."""
-    bootstrap._remove_hook()  # inspect upstream as it is, unpatched
+    bootstrap.remove_hook()  # inspect upstream as it is, unpatched
     from torchtitan_npu.distributed import (
         backend_for,
         load_torch_npu,
