@@ -1,20 +1,43 @@
 """Sessions: lint, tests (the locked env), upstream (one env per upstream.lock
-entry), docs (the versioning table). `uv run nox` runs lint, tests, upstream."""
+entry), matrix (every locked upstream x every parallel layout), docs.
+`uv run nox` runs lint, tests and upstream."""
 
+import os
 import tomllib
 from pathlib import Path
 
 import nox
 
-nox.options.default_venv_backend = "uv"
-nox.options.reuse_existing_virtualenvs = True  # per-version envs are cached
 nox.options.sessions = ["lint", "tests", "upstream"]
 
 ROOT = Path(__file__).parent
 LOCK = tomllib.loads((ROOT / "upstream.lock").read_text())["upstream"]
+VERSIONS = [entry["version"] for entry in LOCK]
 PYTHON = "3.11"
-# titan-npu's own runtime needs beyond torch + torchtitan (pyproject.toml).
-OWN_DEPS = ["tomli-w>=1.0", "pytest>=8", "pytest-xdist>=3.6"]
+# titan-npu's own needs beyond torch + torchtitan (see pyproject.toml).
+OWN_DEPS = ["tomli-w>=1.0", "pytest>=8", "pytest-xdist>=3.6", "matplotlib>=3.8"]
+
+
+def upstream_env(session: nox.Session, version: str) -> Path:
+    """A cached venv with one locked upstream, its wheel hash-checked."""
+    entry = next(e for e in LOCK if e["version"] == version)
+    env = ROOT / ".nox" / f"upstream-{version}"
+    run = {"env": {"VIRTUAL_ENV": str(env)}, "external": True}
+    if not (env / "bin" / "python").exists():
+        session.run("uv", "venv", "--quiet", "--python", PYTHON, str(env), **run)
+    requirement = env / "upstream-requirement.txt"
+    requirement.write_text(
+        f"torchtitan=={version} --hash=sha256:{entry['wheel_sha256']}\n"
+    )
+    pip = ["uv", "pip", "install", "--quiet"]
+    # The upstream wheel must be byte-for-byte the locked one.
+    session.run(*pip, "--require-hashes", "--no-deps", "-r", str(requirement), **run)
+    session.run(
+        *pip, f"torch=={entry['torch']}", f"torchtitan=={version}", *OWN_DEPS, **run
+    )
+    session.run(*pip, "--no-deps", "-e", str(ROOT), **run)
+    session.run(env / "bin" / "titan-npu", "compat", "check", external=True)
+    return env
 
 
 @nox.session(venv_backend="none")
@@ -29,21 +52,49 @@ def tests(session):
     session.run("uv", "run", "--frozen", "pytest", "-n", "2", *session.posargs)
 
 
-@nox.session(python=PYTHON)
-@nox.parametrize("version", [entry["version"] for entry in LOCK])
+@nox.session(venv_backend="none")
+@nox.parametrize("version", VERSIONS)
 def upstream(session, version):
-    """The suite against one locked upstream, installed from the lock's pins."""
-    entry = next(e for e in LOCK if e["version"] == version)
-    requirement = Path(session.create_tmp()) / "upstream.txt"
-    requirement.write_text(
-        f"torchtitan=={version} --hash=sha256:{entry['wheel_sha256']}\n"
-    )
-    # Hash-checked: the upstream wheel must be byte-for-byte the locked one.
-    session.install("--require-hashes", "--no-deps", "-r", str(requirement))
-    session.install(f"torch=={entry['torch']}", f"torchtitan=={version}", *OWN_DEPS)
-    session.install("--no-deps", "-e", ".")
-    session.run("titan-npu", "compat", "check")
-    session.run("pytest", "-n", "2", *session.posargs)
+    """The suite, real training included, against one locked upstream."""
+    env = upstream_env(session, version)
+    session.run(env / "bin" / "pytest", "-n", "2", *session.posargs, external=True)
+
+
+@nox.session(venv_backend="none")
+def matrix(session):
+    """Every locked upstream x every layout; prints the table, writes plots.
+
+    `nox -s matrix -- --upstream 0.3.0,0.2.2 --layout fsdp,tp`
+    """
+    args = list(session.posargs)
+    chosen = {"--upstream": ",".join(VERSIONS), "--layout": "all"}
+    for flag in chosen:
+        if flag in args:
+            i = args.index(flag)
+            chosen[flag] = args[i + 1]
+            del args[i : i + 2]
+    versions = chosen["--upstream"].split(",")
+    unknown = sorted(set(versions) - set(VERSIONS))
+    if unknown:
+        session.error(f"not in upstream.lock: {unknown}; locked: {VERSIONS}")
+    out = ROOT / "outputs" / "matrix"
+    for version in versions:
+        env = upstream_env(session, version)
+        session.run(
+            env / "bin" / "pytest", "tests/matrix", "-m", "matrix", "-p", "no:cacheprovider",
+            "--layout", chosen["--layout"],
+            "--matrix-results", str(out / "results" / f"{version}.json"),
+            "--basetemp", str(out / "work" / version),
+            *args,
+            external=True,
+            success_codes=[0, 1],  # a red cell is reported in the table below
+        )  # fmt: skip
+    session.run(
+        ROOT / ".nox" / f"upstream-{versions[0]}" / "bin" / "python",
+        "tests/matrix/report.py", str(out / "results"), str(out),
+        env={"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "matrix"), str(ROOT / "tests")])},
+        external=True,
+    )  # fmt: skip
 
 
 @nox.session(venv_backend="none")

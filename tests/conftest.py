@@ -10,6 +10,11 @@ import pytest  # noqa: E402
 from torchtitan_npu.compat import resolve_upstream  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--layout", default="all", help="matrix: comma-separated layouts")
+    parser.addoption("--matrix-results", help="matrix: write cell results (JSON) here")
+
+
 @pytest.fixture(scope="session")
 def upstream():
     return resolve_upstream()

@@ -1,4 +1,4 @@
-"""``titan-npu``: train | doctor | compat.
+"""``titan-npu``: train | doctor | compat | loss-compare.
 
 Importing this module (and ``titan-npu --help``) must not import torch.
 """
@@ -74,6 +74,12 @@ def _compat_docs(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _loss_compare(args: argparse.Namespace, rest: list[str]) -> int:
+    from torchtitan_npu.tools.loss_compare import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="titan-npu",
@@ -114,6 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     compat_commands.add_parser(
         "docs", help="regenerate docs/versioning_policy.md from upstream.lock"
     ).set_defaults(handler=_compat_docs)
+
+    compare = commands.add_parser(
+        "loss-compare",
+        help="compare two runs' loss/grad_norm from TensorBoard (exact)",
+    )
+    compare.add_argument("run_a", help="dump folder (or TensorBoard folder) of run A")
+    compare.add_argument("run_b", help="dump folder (or TensorBoard folder) of run B")
+    compare.add_argument("--rtol", type=float, default=0.0, help="0: bitwise")
+    compare.add_argument("--atol", type=float, default=0.0, help="0: bitwise")
+    compare.add_argument("--plot", help="write a PNG of both curves here")
+    compare.set_defaults(handler=_loss_compare)
     return parser
 
 

@@ -1,0 +1,79 @@
+"""Turn matrix results into a Markdown table and loss-curve plots.
+
+``python tests/matrix/report.py RESULTS_DIR OUT_DIR`` reads every
+``<upstream>.json`` of RESULTS_DIR, prints the table (layout x upstream: pass /
+FAIL / unsupported + reason, wall time), writes OUT_DIR/matrix.md and one PNG
+of loss curves per upstream, and exits non-zero if any cell failed.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from layouts import LAYOUTS
+
+from torchtitan_npu.tools.loss_compare import plot_runs
+from torchtitan_npu.tools.table import format_markdown_table
+
+
+def cell_text(cell: dict | None) -> str:
+    if cell is None:
+        return "not run"
+    if cell["status"] == "unsupported":
+        return f"unsupported: {cell['reason']}"
+    if "wall_s" not in cell:  # crashed before any check finished
+        return "**FAIL** (launch failed, see pytest output)"
+    parity = f"{max(cell['parity_max_rel_loss'], cell['parity_max_rel_grad_norm']):.1e}"
+    if cell["status"] == "fail":
+        return f"**FAIL** {cell['reason']} ({cell['wall_s']:.0f}s, parity {parity})"
+    return f"pass ({cell['wall_s']:.0f}s, parity {parity})"
+
+
+def main(results_dir: str, out_dir: str) -> int:
+    files = sorted(Path(results_dir).glob("*.json"))
+    if not files:
+        print(f"no matrix results in {results_dir}")
+        return 1
+    cells = [c for f in files for c in json.loads(f.read_text())]
+    upstreams = sorted({c["upstream"] for c in cells}, reverse=True)
+    by_key = {(c["upstream"], c["layout"]): c for c in cells}
+    layouts = [
+        lay.name for lay in LAYOUTS if any(c["layout"] == lay.name for c in cells)
+    ]
+    rows = [
+        [f"{name} ({next(c['nproc'] for c in cells if c['layout'] == name)}p)"]
+        + [cell_text(by_key.get((u, name))) for u in upstreams]
+        for name in layouts
+    ]
+    table = format_markdown_table(
+        ["layout"] + [f"torchtitan {u}" for u in upstreams], rows
+    )
+    total = sum(c.get("wall_s", 0) for c in cells)
+    text = (
+        "# titan-npu matrix\n\n"
+        "Each cell: parity with the single-device run (max relative difference of "
+        "loss / grad_norm), bit-identical determinism over two launches, and "
+        "bit-identical resume from a mid-run checkpoint.\n\n"
+        f"{table}\n\nCell wall time in total: {total / 60:.1f} min\n"
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "matrix.md").write_text(text)
+    print(text)
+    for upstream in upstreams:
+        runs = {
+            c["layout"]: c["dump"]
+            for c in cells
+            if c["upstream"] == upstream and c.get("dump")
+        }
+        if runs:
+            path = plot_runs(
+                runs, out / f"loss-{upstream}.png", title=f"torchtitan {upstream}"
+            )
+            print(f"plot: {path}")
+    failed = [c for c in cells if c["status"] == "fail"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

@@ -1,0 +1,133 @@
+"""Every parallel layout on the installed upstream: parity, determinism, resume.
+
+Each cell runs three launches of `titan-npu train` (torchrun, gloo), all from
+one seed checkpoint and on data every layout shares:
+
+- parity: per-step loss and grad_norm match the single-device run within
+  RTOL. Every layout sees the same global batch math: the corpus is repeated
+  CORPUS_COPIES times, so each data-parallel rank's contiguous shard starts
+  with the same records; a dp=2 global batch is two copies of the
+  single-device batch, whose mean loss and mean gradient are the same. What
+  remains is fp32 summation order (reduce-scatter, TP partial sums), a few
+  ulps per reduction: RTOL = 1e-5 is ~80 float32 ulps, far above that and far
+  below any real bug (a wrong reduce op or a lost microbatch moves the loss by
+  >1e-3 at step 2);
+- determinism: a second identical launch is bit-identical (loss, grad_norm);
+- resume: a launch that starts from the first run's step-K checkpoint
+  reproduces its steps K+1..N bit for bit.
+"""
+
+import time
+
+import pytest
+from conftest import copy_checkpoint
+from e2e import train
+
+from torchtitan_npu.tools.loss_compare import compare_series, describe
+from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS
+
+pytestmark = pytest.mark.matrix
+
+STEPS, CHECKPOINT_STEP = 4, 2
+RTOL = 1e-5
+
+
+def common_args(matrix_data, seed_dump) -> list[str]:
+    return [
+        "--training.dataset", "c4_test",
+        "--training.dataset_path", str(matrix_data),
+        "--checkpoint.enable", "true",
+        "--checkpoint.interval", str(CHECKPOINT_STEP),
+        "--checkpoint.initial_load_path", str(seed_dump / "checkpoint" / "step-0"),
+        "--checkpoint.initial_load_model_only", "true",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def seed_dump(workdir, matrix_data):
+    """One single-process seed checkpoint (step-0) every layout starts from."""
+    dump = workdir / "seed"
+    train(
+        dump,
+        "--checkpoint.enable", "true",
+        "--checkpoint.create_seed_checkpoint", "true",
+        "--parallelism.data_parallel_shard_degree", "1",
+        "--training.dataset", "c4_test",
+        "--training.dataset_path", str(matrix_data),
+        steps=1,
+        scalars=False,
+    )  # fmt: skip
+    return dump
+
+
+@pytest.fixture(scope="session")
+def reference(workdir, matrix_data, seed_dump, upstream):
+    """The single-device run every layout is compared with."""
+    from layouts import BY_NAME
+
+    dump = workdir / "single-run1"
+    start = time.perf_counter()
+    scalars = train(
+        dump,
+        *BY_NAME["single"].args(upstream.era),
+        *common_args(matrix_data, seed_dump),
+        steps=STEPS,
+    )
+    return dump, scalars, time.perf_counter() - start
+
+
+def test_cell(layout, upstream, workdir, matrix_data, seed_dump, reference, results):
+    version, era = upstream.installed.version, upstream.era
+    cell = {"upstream": version, "era": era, "layout": layout.name}
+    cell["nproc"] = layout.nproc
+    results.append(cell)
+    reason = layout.why_unsupported(version=version, era=era)
+    if reason:
+        cell.update(status="unsupported", reason=reason)
+        pytest.skip(f"{layout.name} on torchtitan {version}: {reason}")
+
+    cell.update(status="fail", reason="a launch failed")  # until checks finish
+    args = [*layout.args(era), *common_args(matrix_data, seed_dump)]
+    start = time.perf_counter()
+    ref_dump, ref, ref_seconds = reference
+    if layout.name == "single":
+        first_dump, first = ref_dump, ref
+    else:
+        first_dump = workdir / f"{layout.name}-run1"
+        first = train(first_dump, *args, nproc=layout.nproc, steps=STEPS)
+    second = train(
+        workdir / f"{layout.name}-run2", *args, nproc=layout.nproc, steps=STEPS
+    )
+    resumed_dump = workdir / f"{layout.name}-resumed"
+    copy_checkpoint(first_dump, CHECKPOINT_STEP, resumed_dump)
+    resumed = train(resumed_dump, *args, nproc=layout.nproc, steps=STEPS)
+    seconds = (
+        time.perf_counter() - start + (ref_seconds if layout.name == "single" else 0)
+    )
+
+    after_k = list(range(CHECKPOINT_STEP + 1, STEPS + 1))
+    checks = {
+        "parity": [compare_series(t, first[t], ref[t], rtol=RTOL) for t in (LOSS, GRAD_NORM)],
+        "determinism": [compare_series(t, second[t], first[t]) for t in (LOSS, GRAD_NORM)],
+        "resume": [
+            compare_series(t, resumed[t], first[t], steps=after_k) for t in (LOSS, GRAD_NORM)
+        ],
+    }  # fmt: skip
+    failed = [
+        name
+        for name, comparisons in checks.items()
+        if not all(c.ok for c in comparisons)
+    ]
+    cell.update(
+        status="fail" if failed else "pass",
+        reason=", ".join(failed),
+        wall_s=round(seconds, 1),
+        parity_max_rel_loss=checks["parity"][0].max_rel,
+        parity_max_rel_grad_norm=checks["parity"][1].max_rel,
+        loss={str(s): v for s, v in first[LOSS].items()},
+        dump=str(first_dump),
+    )
+    details = "\n".join(f"{name}:\n{describe(c)}" for name, c in checks.items())
+    assert not failed, (
+        f"{layout.name} on torchtitan {version} failed {failed}\n{details}"
+    )

@@ -1,0 +1,122 @@
+"""Compare two runs' loss and grad_norm exactly, from their TensorBoard scalars.
+
+``titan-npu loss-compare RUN_A RUN_B [--rtol R --atol A] [--plot out.png]``
+reports, per tag, the first differing step and the largest absolute and
+relative difference, and exits non-zero on a mismatch: bitwise by default, or
+within the given tolerances. stdout's 5 printed digits are not enough to tell
+two runs apart; the event files hold the exact float32 values.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS, read_scalars
+
+TAGS = (LOSS, GRAD_NORM)
+
+
+@dataclass(frozen=True)
+class TagComparison:
+    tag: str
+    steps: list[int]  # steps present in both runs
+    first_difference: int | None  # first step outside tolerance, if any
+    max_abs: float
+    max_rel: float
+    missing_steps: list[int]  # steps present in only one run
+
+    @property
+    def ok(self) -> bool:
+        return self.first_difference is None and not self.missing_steps
+
+
+def compare_series(
+    tag: str,
+    a: dict[int, float],
+    b: dict[int, float],
+    *,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    steps: list[int] | None = None,
+) -> TagComparison:
+    """Compare two ``{step: value}`` series (on ``steps`` when given)."""
+    wanted = set(steps) if steps is not None else set(a) | set(b)
+    common = sorted(wanted & set(a) & set(b))
+    missing = sorted(wanted - (set(a) & set(b)))
+    first, max_abs, max_rel = None, 0.0, 0.0
+    for step in common:
+        diff = abs(a[step] - b[step])
+        rel = diff / abs(b[step]) if b[step] else (0.0 if diff == 0 else float("inf"))
+        max_abs, max_rel = max(max_abs, diff), max(max_rel, rel)
+        if first is None and diff > atol + rtol * abs(b[step]):
+            first = step
+    return TagComparison(tag, common, first, max_abs, max_rel, missing)
+
+
+def compare_runs(
+    run_a: str | Path,
+    run_b: str | Path,
+    *,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    steps: list[int] | None = None,
+) -> list[TagComparison]:
+    a, b = read_scalars(run_a, TAGS), read_scalars(run_b, TAGS)
+    return [
+        compare_series(t, a[t], b[t], rtol=rtol, atol=atol, steps=steps) for t in TAGS
+    ]
+
+
+def describe(comparisons: list[TagComparison]) -> str:
+    lines = []
+    for c in comparisons:
+        problems = []
+        if c.first_difference is not None:
+            problems.append(f"DIFFER from step {c.first_difference}")
+        if c.missing_steps:
+            problems.append(f"MISSING steps {c.missing_steps}")
+        verdict = "; ".join(problems) or "match"
+        lines.append(
+            f"{c.tag:<30} {verdict:<36} steps={len(c.steps)} "
+            f"max_abs={c.max_abs:.3e} max_rel={c.max_rel:.3e}"
+        )
+    return "\n".join(lines)
+
+
+def plot_runs(runs: dict[str, str | Path], out: str | Path, *, title: str = "") -> Path:
+    """A PNG of loss and grad_norm per step for each named run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ValueError("plotting needs matplotlib: uv pip install matplotlib") from e
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, run in runs.items():
+        scalars = read_scalars(run, TAGS)
+        for axis, tag in zip(axes, TAGS):
+            series = scalars[tag]
+            axis.plot(sorted(series), [series[s] for s in sorted(series)], label=name)
+    for axis, tag in zip(axes, TAGS):
+        axis.set_xlabel("step")
+        axis.set_title(tag)
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def main(args) -> int:
+    comparisons = compare_runs(args.run_a, args.run_b, rtol=args.rtol, atol=args.atol)
+    mode = "bitwise" if args.rtol == 0 and args.atol == 0 else "tolerance"
+    print(f"{args.run_a} vs {args.run_b} ({mode}, rtol={args.rtol}, atol={args.atol})")
+    print(describe(comparisons))
+    if args.plot:
+        print(f"plot: {plot_runs({'A': args.run_a, 'B': args.run_b}, args.plot)}")
+    return 0 if all(c.ok for c in comparisons) else 1
