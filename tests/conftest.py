@@ -18,11 +18,3 @@ def pytest_addoption(parser):
 @pytest.fixture(scope="session")
 def upstream():
     return resolve_upstream()
-
-
-def requires_era(era: str):
-    """Skip unless the installed upstream is of ``era`` (nox runs every era)."""
-    return pytest.mark.skipif(
-        resolve_upstream().era != era,
-        reason=f"installed upstream is not of era {era}; `nox -s upstream` runs it",
-    )

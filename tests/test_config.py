@@ -1,7 +1,7 @@
 """Train-config parsing and its translation to each upstream era."""
 
 import pytest
-from conftest import requires_era
+from support import requires_era
 
 from torchtitan_npu.config import DEFAULT_CONFIG, ConfigError, resolve
 from torchtitan_npu.config.schema import load_toml, parse_overrides

@@ -2,7 +2,7 @@
 upstream: loss falls, and two launches are bit-identical (TensorBoard values)."""
 
 import pytest
-from e2e import assert_bit_identical, assert_loss_falls, train
+from support import assert_bit_identical, assert_loss_falls, train
 
 pytestmark = pytest.mark.e2e
 

@@ -2,7 +2,6 @@
 reference run, and the results file the report is built from."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -50,9 +49,3 @@ def results(request):
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(cells, indent=2))
-
-
-def copy_checkpoint(source_dump: Path, step: int, target_dump: Path) -> None:
-    """Give a fresh dump folder only step ``step`` of another run's checkpoints."""
-    target = target_dump / "checkpoint" / f"step-{step}"
-    shutil.copytree(source_dump / "checkpoint" / f"step-{step}", target)

@@ -20,8 +20,7 @@ one seed checkpoint and on data every layout shares:
 import time
 
 import pytest
-from conftest import copy_checkpoint
-from e2e import train
+from support import copy_checkpoint, train
 
 from torchtitan_npu.tools.loss_compare import compare_series, describe
 from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS
@@ -106,18 +105,15 @@ def test_cell(layout, upstream, workdir, matrix_data, seed_dump, reference, resu
     )
 
     after_k = list(range(CHECKPOINT_STEP + 1, STEPS + 1))
+    tags = (LOSS, GRAD_NORM)
     checks = {
-        "parity": [compare_series(t, first[t], ref[t], rtol=RTOL) for t in (LOSS, GRAD_NORM)],
-        "determinism": [compare_series(t, second[t], first[t]) for t in (LOSS, GRAD_NORM)],
+        "parity": [compare_series(t, first[t], ref[t], rtol=RTOL) for t in tags],
+        "determinism": [compare_series(t, second[t], first[t]) for t in tags],
         "resume": [
-            compare_series(t, resumed[t], first[t], steps=after_k) for t in (LOSS, GRAD_NORM)
+            compare_series(t, resumed[t], first[t], steps=after_k) for t in tags
         ],
-    }  # fmt: skip
-    failed = [
-        name
-        for name, comparisons in checks.items()
-        if not all(c.ok for c in comparisons)
-    ]
+    }
+    failed = [name for name, c in checks.items() if not all(x.ok for x in c)]
     cell.update(
         status="fail" if failed else "pass",
         reason=", ".join(failed),

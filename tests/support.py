@@ -1,10 +1,14 @@
-"""Helpers for end-to-end runs of `titan-npu train` in subprocesses."""
+"""Test helpers: end-to-end runs of `titan-npu train` in subprocesses, era marks."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from torchtitan_npu.compat import resolve_upstream
 from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS, read_scalars
 
 # Small enough for a 2-core CPU, large enough for the loss to move.
@@ -45,3 +49,17 @@ def assert_loss_falls(scalars: dict) -> None:
     loss = scalars[LOSS]
     steps = sorted(loss)
     assert loss[steps[-1]] < loss[steps[0]], f"loss did not fall: {loss}"
+
+
+def copy_checkpoint(source_dump: Path, step: int, target_dump: Path) -> None:
+    """Give a fresh dump folder only step ``step`` of another run's checkpoints."""
+    target = target_dump / "checkpoint" / f"step-{step}"
+    shutil.copytree(source_dump / "checkpoint" / f"step-{step}", target)
+
+
+def requires_era(era: str):
+    """Skip unless the installed upstream is of ``era`` (nox runs every era)."""
+    return pytest.mark.skipif(
+        resolve_upstream().era != era,
+        reason=f"installed upstream is not of era {era}; `nox -s upstream` runs it",
+    )
