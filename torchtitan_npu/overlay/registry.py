@@ -85,9 +85,12 @@ def resolve_target(spec: str) -> Target:
     *parents, attr = qualname.split(".")
     for part in parents:
         owner = getattr(owner, part)
-    # Read through __dict__ first so staticmethod/classmethod stay wrapped.
-    obj = vars(owner)[attr] if attr in vars(owner) else getattr(owner, attr)
-    return Target(spec=spec, owner=owner, attr=attr, obj=obj)
+    # The target must be defined on its owner itself: an inherited method is
+    # not the one the patch was written against. Reading __dict__ also keeps
+    # staticmethod/classmethod wrappers intact.
+    if attr not in vars(owner):
+        raise AttributeError(f"{qualname} is not defined in {module_name}")
+    return Target(spec=spec, owner=owner, attr=attr, obj=vars(owner)[attr])
 
 
 def fingerprint(obj: Any) -> str:
