@@ -57,7 +57,12 @@ def tests(session):
 def upstream(session, version):
     """The suite, real training included, against one locked upstream."""
     env = upstream_env(session, version)
-    session.run(env / "bin" / "pytest", "-n", "2", *session.posargs, external=True)
+    basetemp = ROOT / "outputs" / "e2e" / version  # runs stay inspectable
+    basetemp.parent.mkdir(parents=True, exist_ok=True)
+    session.run(
+        env / "bin" / "pytest", "-n", "2", "--basetemp", str(basetemp),
+        *session.posargs, external=True,
+    )  # fmt: skip
 
 
 @nox.session(venv_backend="none")
@@ -78,6 +83,7 @@ def matrix(session):
     if unknown:
         session.error(f"not in upstream.lock: {unknown}; locked: {VERSIONS}")
     out = ROOT / "outputs" / "matrix"
+    (out / "work").mkdir(parents=True, exist_ok=True)
     for version in versions:
         env = upstream_env(session, version)
         session.run(

@@ -19,9 +19,7 @@ SMALL_RUN = [
 ]  # fmt: skip
 
 
-def train(
-    dump_folder: Path, *args: str, nproc: int = 1, steps: int = 4, scalars=True
-) -> dict | None:
+def train(dump_folder: Path, *args: str, nproc: int = 1, steps: int = 4) -> dict:
     """Run `titan-npu train`; return ``{tag: {step: value}}`` from TensorBoard."""
     env = {k: v for k, v in os.environ.items() if k != "TITAN_NPU_NO_BOOTSTRAP"}
     command = [
@@ -37,7 +35,7 @@ def train(
     assert result.returncode == 0, (
         f"training failed, see {log}:\n{result.stderr[-3000:]}"
     )
-    return read_scalars(dump_folder) if scalars else None
+    return read_scalars(dump_folder)
 
 
 def assert_bit_identical(a: dict, b: dict) -> None:

@@ -58,7 +58,9 @@ def test_config_registry_translation(upstream):
     config["training"]["dataset_path"] = "/data/corpus"
     config["activation_checkpoint"]["mode"] = "full"
     config["optimizer"]["lr"] = 1e-3
-    trainer = to_trainer_config(config, version=upstream.installed.version)
+    trainer = to_trainer_config(
+        config, version=upstream.installed.version, device_type="cpu"
+    )
     assert trainer.training.steps == config["training"]["steps"]
     assert trainer.dataloader.dataset_path == "/data/corpus"
     assert trainer.dump_folder == config["job"]["dump_folder"]
@@ -67,6 +69,7 @@ def test_config_registry_translation(upstream):
     assert trainer.optimizer.param_groups[0].optimizer_kwargs["lr"] == 1e-3
     assert trainer.model_spec.name == "llama3"
     assert trainer.model_spec.flavor == "debugmodel"
+    assert trainer.training.disable_cuda_graphs is True  # no CUDA graphs off CUDA
 
 
 @requires_era("config_registry")
@@ -85,7 +88,7 @@ def test_config_registry_rejects_what_it_cannot_honour(upstream, key, value, mat
     config = load_toml(DEFAULT_CONFIG)
     apply_overrides(config, {key: value})
     with pytest.raises(ConfigError, match=match) as info:
-        to_trainer_config(config, version=upstream.installed.version)
+        to_trainer_config(config, version=upstream.installed.version, device_type="cpu")
     assert "config_registry" in str(info.value)
 
 

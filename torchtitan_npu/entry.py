@@ -11,6 +11,29 @@ import os
 import runpy
 import sys
 import tempfile
+from types import ModuleType
+
+
+def prepare_upstream(job_file: str) -> ModuleType:
+    """Set upstream's command line, then activate the overlay.
+
+    Must run before torchtitan is imported: 0.2.x binds ``sys.argv`` as a
+    default argument when its config manager is imported. Returns the era's
+    config translator; write the job file with it before running upstream.
+    """
+    from torchtitan_npu.bootstrap import activate
+    from torchtitan_npu.compat import resolve_upstream
+    from torchtitan_npu.config import era_translator
+
+    translator = era_translator(resolve_upstream().era)
+    sys.argv = ["torchtitan.train", *translator.upstream_argv(job_file)]
+    activate()  # imports torchtitan
+    return translator
+
+
+def run_upstream() -> None:
+    """Upstream's own entry point (0.2.0 has no main(); __main__ works everywhere)."""
+    runpy.run_module("torchtitan.train", run_name="__main__")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,19 +44,14 @@ def main(argv: list[str] | None = None) -> None:
         config = json.load(f)
 
     from torchtitan_npu.bootstrap import activate
-    from torchtitan_npu.compat import resolve_upstream
-    from torchtitan_npu.config import era_translator
 
-    translator = era_translator(resolve_upstream().era)
     fd, job_file = tempfile.mkstemp(prefix="titan-npu-job-")
     os.close(fd)
     try:
-        sys.argv = ["torchtitan.train", *translator.upstream_argv(job_file)]
-        activation = activate()  # imports torchtitan
-        version = activation.upstream.installed.version
+        translator = prepare_upstream(job_file)
+        version = activate().upstream.installed.version
         translator.write_upstream_config(config, version=version, path=job_file)
-        # 0.2.0 has no main(); running the module as __main__ works everywhere.
-        runpy.run_module("torchtitan.train", run_name="__main__")
+        run_upstream()
     finally:
         os.unlink(job_file)
 

@@ -20,7 +20,7 @@ one seed checkpoint and on data every layout shares:
 import time
 
 import pytest
-from support import copy_checkpoint, train
+from support import SMALL_RUN, copy_checkpoint
 
 from torchtitan_npu.tools.loss_compare import compare_series, describe
 from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS
@@ -33,6 +33,8 @@ RTOL = 1e-5
 
 def common_args(matrix_data, seed_dump) -> list[str]:
     return [
+        *SMALL_RUN,
+        "--training.steps", str(STEPS),
         "--training.dataset", "c4_test",
         "--training.dataset_path", str(matrix_data),
         "--checkpoint.enable", "true",
@@ -43,39 +45,35 @@ def common_args(matrix_data, seed_dump) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def seed_dump(workdir, matrix_data):
+def seed_dump(workdir, matrix_data, launcher):
     """One single-process seed checkpoint (step-0) every layout starts from."""
     dump = workdir / "seed"
-    train(
-        dump,
+    args = [
+        *SMALL_RUN,
         "--checkpoint.enable", "true",
         "--checkpoint.create_seed_checkpoint", "true",
         "--parallelism.data_parallel_shard_degree", "1",
-        "--training.dataset", "c4_test",
-        "--training.dataset_path", str(matrix_data),
-        steps=1,
-        scalars=False,
-    )  # fmt: skip
+        "--training.steps", "1",
+    ]  # fmt: skip
+    launcher.train(dump, args, nproc=1, scalars=False)
     return dump
 
 
 @pytest.fixture(scope="session")
-def reference(workdir, matrix_data, seed_dump, upstream):
+def reference(workdir, matrix_data, seed_dump, upstream, launcher):
     """The single-device run every layout is compared with."""
     from layouts import BY_NAME
 
     dump = workdir / "single-run1"
     start = time.perf_counter()
-    scalars = train(
-        dump,
-        *BY_NAME["single"].args(upstream.era),
-        *common_args(matrix_data, seed_dump),
-        steps=STEPS,
-    )
+    args = [*BY_NAME["single"].args(upstream.era), *common_args(matrix_data, seed_dump)]
+    scalars = launcher.train(dump, args, nproc=1)
     return dump, scalars, time.perf_counter() - start
 
 
-def test_cell(layout, upstream, workdir, matrix_data, seed_dump, reference, results):
+def test_cell(
+    layout, upstream, workdir, matrix_data, seed_dump, reference, results, launcher
+):
     version, era = upstream.installed.version, upstream.era
     cell = {"upstream": version, "era": era, "layout": layout.name}
     cell["nproc"] = layout.nproc
@@ -93,13 +91,11 @@ def test_cell(layout, upstream, workdir, matrix_data, seed_dump, reference, resu
         first_dump, first = ref_dump, ref
     else:
         first_dump = workdir / f"{layout.name}-run1"
-        first = train(first_dump, *args, nproc=layout.nproc, steps=STEPS)
-    second = train(
-        workdir / f"{layout.name}-run2", *args, nproc=layout.nproc, steps=STEPS
-    )
+        first = launcher.train(first_dump, args, nproc=layout.nproc)
+    second = launcher.train(workdir / f"{layout.name}-run2", args, nproc=layout.nproc)
     resumed_dump = workdir / f"{layout.name}-resumed"
     copy_checkpoint(first_dump, CHECKPOINT_STEP, resumed_dump)
-    resumed = train(resumed_dump, *args, nproc=layout.nproc, steps=STEPS)
+    resumed = launcher.train(resumed_dump, args, nproc=layout.nproc)
     seconds = (
         time.perf_counter() - start + (ref_seconds if layout.name == "single" else 0)
     )

@@ -73,9 +73,15 @@ def _activation_checkpoint(mode: str):
     return modes[mode] and modes[mode]()
 
 
-def to_trainer_config(config: dict[str, Any], *, version: str):
+def to_trainer_config(config: dict[str, Any], *, version: str, device_type: str):
     model = config.get("model", {})
     trainer_config = base_config(model["name"], model["flavor"])
+    if device_type != "cuda" and has_path(
+        trainer_config, "training.disable_cuda_graphs"
+    ):
+        # CUDA graphs exist only on CUDA; upstream validates them even elsewhere
+        # (PP refuses to start while they are enabled). A config may still set it.
+        trainer_config.training.disable_cuda_graphs = True
     flat = flatten(config)
     ac_mode = flat.pop("activation_checkpoint.mode", None)
     if ac_mode is not None:
@@ -121,7 +127,11 @@ def titan_npu():
     activation = activate()
     with open(os.environ[RESOLVED_CONFIG_ENV]) as f:
         config = json.load(f)
-    return to_trainer_config(config, version=activation.upstream.installed.version)
+    return to_trainer_config(
+        config,
+        version=activation.upstream.installed.version,
+        device_type=activation.context.device_type,
+    )
 
 
 def upstream_argv(job_file: str) -> list[str]:
@@ -131,6 +141,10 @@ def upstream_argv(job_file: str) -> list[str]:
 
 
 def write_upstream_config(config: dict[str, Any], *, version: str, path: str) -> None:
-    to_trainer_config(config, version=version)  # surface errors before upstream
+    from torchtitan_npu.bootstrap import activate
+
+    # Translate once here so errors surface before upstream starts.
+    device_type = activate().context.device_type
+    to_trainer_config(config, version=version, device_type=device_type)
     with open(path, "w") as f:
         json.dump(config, f)
