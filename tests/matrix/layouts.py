@@ -4,17 +4,37 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class KnownIssue:
+    """An upstream bug the matrix reproduces: grad_norm is ``ratio`` x single's.
+
+    The cell reports it (not a pass) as long as the ratio matches exactly what
+    the bug predicts; any other mismatch is a failure.
+    """
+
+    grad_norm_ratio: float
+    reason: str
+
+
+_GLOBAL_TOKENS_022 = "0.2.2 normalizes the loss by the global token count, but "
+
+
+@dataclass(frozen=True)
 class Layout:
     name: str
     nproc: int
     overrides: dict[str, object] = field(default_factory=dict)
     # era or version -> why this layout cannot run there
     unsupported: dict[str, str] = field(default_factory=dict)
+    # version -> an upstream bug this layout shows there
+    known_issues: dict[str, KnownIssue] = field(default_factory=dict)
     # per-era overrides (e.g. a flex-attention flavor on 0.2.x for CP)
     era_overrides: dict[str, dict[str, object]] = field(default_factory=dict)
 
     def why_unsupported(self, *, version: str, era: str) -> str | None:
         return self.unsupported.get(version) or self.unsupported.get(era)
+
+    def known_issue(self, version: str) -> KnownIssue | None:
+        return self.known_issues.get(version)
 
     def args(self, era: str) -> list[str]:
         merged = {**self.overrides, **self.era_overrides.get(era, {})}
@@ -31,41 +51,48 @@ def _degrees(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1) -> dict[str, object]:
     }
 
 
+def _pipeline(schedule: str, *, dp_shard: int = 1) -> dict:
+    """A PP=2 layout's settings, and the 0.2.2 PP gradient-scale bug it shows."""
+    tokens = 256 * dp_shard  # tokens per step: 2 x 128 per dp rank
+    issue = KnownIssue(
+        float(tokens),
+        _GLOBAL_TOKENS_022 + "its pipeline schedule backpropagates the summed "
+        f"microbatch losses before that division: gradients are {tokens}x "
+        "(the tokens per step)",
+    )
+    return {
+        "overrides": {
+            **_degrees(pp=2, dp_shard=dp_shard),
+            "parallelism.pipeline_parallel_schedule": schedule,
+        },
+        "known_issues": {"0.2.2": issue},
+    }
+
+
 _CP_NEEDS_FLEX = "CP on CPU needs FlexAttention (SDPA has no CPU sharding strategy)"
 
 LAYOUTS = [
     Layout("single", 1, _degrees()),
-    Layout("ddp", 2, _degrees(dp_replicate=2)),
+    Layout(
+        "ddp",
+        2,
+        _degrees(dp_replicate=2),
+        known_issues={
+            "0.2.2": KnownIssue(
+                0.5,
+                _GLOBAL_TOKENS_022 + "its DDP (replicate) still averages "
+                "gradients over ranks: they come out 1/dp of the right value",
+            )
+        },
+    ),
     Layout("fsdp", 2, _degrees(dp_shard=2)),
     Layout("hsdp", 4, _degrees(dp_replicate=2, dp_shard=2)),
     Layout("tp", 2, _degrees(tp=2)),
     Layout("fsdp_tp", 4, _degrees(dp_shard=2, tp=2)),
-    Layout(
-        "pp_1f1b",
-        2,
-        {**_degrees(pp=2), "parallelism.pipeline_parallel_schedule": "1F1B"},
-    ),
-    Layout(
-        "pp_interleaved",
-        2,
-        {
-            **_degrees(pp=2),
-            "parallelism.pipeline_parallel_schedule": "Interleaved1F1B",
-        },
-    ),
-    Layout(
-        "pp_gpipe",
-        2,
-        {**_degrees(pp=2), "parallelism.pipeline_parallel_schedule": "GPipe"},
-    ),
-    Layout(
-        "pp_fsdp",
-        4,
-        {
-            **_degrees(pp=2, dp_shard=2),
-            "parallelism.pipeline_parallel_schedule": "1F1B",
-        },
-    ),
+    Layout("pp_1f1b", 2, **_pipeline("1F1B")),
+    Layout("pp_interleaved", 2, **_pipeline("Interleaved1F1B")),
+    Layout("pp_gpipe", 2, **_pipeline("GPipe")),
+    Layout("pp_fsdp", 4, **_pipeline("1F1B", dp_shard=2)),
     Layout(
         "cp",
         2,

@@ -3,15 +3,22 @@
 Each cell runs three launches of `titan-npu train` (torchrun, gloo), all from
 one seed checkpoint and on data every layout shares:
 
-- parity: per-step loss and grad_norm match the single-device run within
-  RTOL. Every layout sees the same global batch math: the corpus is repeated
+- parity: per-step loss and grad_norm match the single-device run. Every
+  layout sees the same global batch math: the corpus is repeated
   CORPUS_COPIES times, so each data-parallel rank's contiguous shard starts
   with the same records; a dp=2 global batch is two copies of the
   single-device batch, whose mean loss and mean gradient are the same. What
-  remains is fp32 summation order (reduce-scatter, TP partial sums), a few
-  ulps per reduction: RTOL = 1e-5 is ~80 float32 ulps, far above that and far
-  below any real bug (a wrong reduce op or a lost microbatch moves the loss by
-  >1e-3 at step 2);
+  remains is fp32 rounding:
+  - loss: summation order (reduce-scatter, TP partial sums) moves it by a few
+    ulps; LOSS_RTOL = 1e-5 (~80 float32 ulps) is far above that (measured:
+    <= 1.2e-7) and far below a real bug (a lost microbatch moves it ~1e-2);
+  - grad_norm: CPU fp32 norms of ~0.5M-element gradients accumulate error:
+    measured against a float64 norm of the same gradients, the single-device
+    value is off by 1.2e-4 and an FSDP-sharded one (half-length sums) by 5e-5,
+    while every per-parameter gradient agrees to 1e-6. GRAD_NORM_RTOL = 3e-4
+    covers that; a wrong reduce op is off by 2x or more.
+  A layout with a known upstream bug must show exactly the grad_norm ratio
+  the bug predicts (layouts.KnownIssue) and is reported as such, not passed;
 - determinism: a second identical launch is bit-identical (loss, grad_norm);
 - resume: a launch that starts from the first run's step-K checkpoint
   reproduces its steps K+1..N bit for bit.
@@ -28,7 +35,7 @@ from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS
 pytestmark = pytest.mark.matrix
 
 STEPS, CHECKPOINT_STEP = 4, 2
-RTOL = 1e-5
+LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 3e-4
 
 
 def common_args(matrix_data, seed_dump) -> list[str]:
@@ -101,18 +108,27 @@ def test_cell(
     )
 
     after_k = list(range(CHECKPOINT_STEP + 1, STEPS + 1))
+    issue = layout.known_issue(version)
+    ratio = issue.grad_norm_ratio if issue else 1.0
+    expected_grad_norm = {step: v * ratio for step, v in ref[GRAD_NORM].items()}
     tags = (LOSS, GRAD_NORM)
     checks = {
-        "parity": [compare_series(t, first[t], ref[t], rtol=RTOL) for t in tags],
+        "parity": [
+            compare_series(LOSS, first[LOSS], ref[LOSS], rtol=LOSS_RTOL),
+            compare_series(
+                GRAD_NORM, first[GRAD_NORM], expected_grad_norm, rtol=GRAD_NORM_RTOL
+            ),
+        ],
         "determinism": [compare_series(t, second[t], first[t]) for t in tags],
         "resume": [
             compare_series(t, resumed[t], first[t], steps=after_k) for t in tags
         ],
     }
     failed = [name for name, c in checks.items() if not all(x.ok for x in c)]
+    status = "fail" if failed else ("upstream issue" if issue else "pass")
     cell.update(
-        status="fail" if failed else "pass",
-        reason=", ".join(failed),
+        status=status,
+        reason=", ".join(failed) or (issue.reason if issue else ""),
         wall_s=round(seconds, 1),
         parity_max_rel_loss=checks["parity"][0].max_rel,
         parity_max_rel_grad_norm=checks["parity"][1].max_rel,
@@ -120,6 +136,8 @@ def test_cell(
         dump=str(first_dump),
     )
     details = "\n".join(f"{name}:\n{describe(c)}" for name, c in checks.items())
+    if issue and not failed:
+        pytest.xfail(f"known upstream bug in torchtitan {version}: {issue.reason}")
     assert not failed, (
         f"{layout.name} on torchtitan {version} failed {failed}\n{details}"
     )
