@@ -172,3 +172,23 @@ def test_cpu_device_module_fills_the_cuda_shaped_api():
         warnings.simplefilter("error")
         cpu_device_module.reset_peak_memory_stats()
         cpu_device_module.empty_cache()
+
+
+def test_disabled_patch_is_reported_and_left_off(upstream):
+    import torchtitan.tools.utils as tools_utils
+
+    before = tools_utils.device_type
+    ctx = PatchContext(
+        upstream.installed.version,
+        upstream.era,
+        "cpu",
+        "gloo",
+        True,
+        disabled=frozenset({"device"}),
+    )
+    with Overlay().applied(
+        patches_for(upstream.era), ctx, upstream.fingerprints
+    ) as rows:
+        assert states(rows)["device"] == "disabled"
+        assert states(rows)["fsdp_sum_reduction"] == "applied"
+        assert tools_utils.device_type is before

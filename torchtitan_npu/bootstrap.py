@@ -13,6 +13,7 @@ already was — the overlay activates:
 """
 
 import importlib.abc
+import os
 import sys
 from dataclasses import dataclass
 
@@ -28,6 +29,10 @@ class Activation:
 
 _activation: Activation | None = None
 
+# Comma-separated patch names to leave off, for A/B runs and for showing what a
+# patch fixes (the matrix turns red without it). Never needed in production.
+DISABLE_ENV = "TITAN_NPU_DISABLE_PATCHES"
+
 
 def activate(device_type: str | None = None) -> Activation:
     """Activate the overlay once for this process; later calls return it."""
@@ -40,20 +45,29 @@ def activate(device_type: str | None = None) -> Activation:
         load_torch_npu,
         select_device_type,
     )
-    from torchtitan_npu.overlay import patches_for
+    from torchtitan_npu.overlay import PatchTargetError, patches_for
 
     remove_hook()
     load_torch_npu()
     upstream = resolve_upstream()
     device = select_device_type(device_type)
+    patches = patches_for(upstream.era)
+    disabled = frozenset(filter(None, os.environ.get(DISABLE_ENV, "").split(",")))
+    unknown = disabled - {p.name for p in patches}
+    if unknown:
+        raise PatchTargetError(
+            f"{DISABLE_ENV} names unknown patches {sorted(unknown)}; "
+            f"known: {[p.name for p in patches]}"
+        )
     ctx = PatchContext(
         upstream_version=upstream.installed.version,
         era=upstream.era,
         device_type=device,
         backend=backend_for(device),
         tested=upstream.tested,
+        disabled=disabled,
     )
-    status = OVERLAY.apply(patches_for(upstream.era), ctx, upstream.fingerprints)
+    status = OVERLAY.apply(patches, ctx, upstream.fingerprints)
     _activation = Activation(upstream, ctx, status)
     return _activation
 

@@ -38,6 +38,7 @@ class PatchContext:
     device_type: str
     backend: str
     tested: bool  # False when running an untested upstream by opt-in
+    disabled: frozenset[str] = frozenset()  # patch names switched off (A/B runs)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class PatchStatus:
     """One row of the patch table."""
 
     patch: Patch
-    state: Literal["applied", "not needed", "drifted", "missing", "pending"]
+    state: Literal["applied", "not needed", "disabled", "drifted", "missing", "pending"]
     detail: str = ""
     found: str | None = None  # fingerprint found in the installed upstream
     expected: str | None = None  # fingerprint recorded in upstream.lock
@@ -128,6 +129,8 @@ def check(
             rows.append(PatchStatus(patch, "drifted", "no fingerprint in lock", found))
         elif found != want:
             rows.append(PatchStatus(patch, "drifted", "source changed", found, want))
+        elif patch.name in ctx.disabled:
+            rows.append(PatchStatus(patch, "disabled", "by request", found, want))
         else:
             skip = patch.skip(ctx)
             state = "not needed" if skip else "pending"
@@ -176,7 +179,7 @@ class Overlay:
                 )
             warnings.warn("UNTESTED UPSTREAM: " + message, stacklevel=2)
         for row in rows:
-            if row.state == "missing" or row.state == "not needed":
+            if row.state in ("missing", "not needed", "disabled"):
                 continue
             target = resolve_target(row.patch.target)
             undo = [_set(c) for c in row.patch.apply(target, ctx)]
