@@ -14,3 +14,17 @@ def test_training_falls_and_is_deterministic(tmp_path, nproc):
     assert sorted(first["loss_metrics/global_avg_loss"]) == [1, 2, 3, 4]
     assert_loss_falls(first)
     assert_bit_identical(first, second)
+
+
+def test_untranslatable_key_stops_before_training(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "torchtitan_npu.cli", "train",
+         "--job.dump_folder", str(tmp_path), "--training.bogus_key", "1"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "titan-npu: error: train config key 'training.bogus_key'" in result.stderr
+    assert "Traceback" not in result.stderr.split("titan-npu: error:")[0]

@@ -36,6 +36,15 @@ def run_upstream() -> None:
     runpy.run_module("torchtitan.train", run_name="__main__")
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    from torchtitan_npu.compat import UntestedUpstreamError
+    from torchtitan_npu.config import ConfigError
+    from torchtitan_npu.distributed import TorchNpuLoadError
+    from torchtitan_npu.overlay import PatchTargetError
+
+    return ConfigError, UntestedUpstreamError, PatchTargetError, TorchNpuLoadError
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -45,12 +54,17 @@ def main(argv: list[str] | None = None) -> None:
 
     from torchtitan_npu.bootstrap import activate
 
+    user_errors = _user_errors()
     fd, job_file = tempfile.mkstemp(prefix="titan-npu-job-")
     os.close(fd)
     try:
-        translator = prepare_upstream(job_file)
-        version = activate().upstream.installed.version
-        translator.write_upstream_config(config, version=version, path=job_file)
+        try:
+            translator = prepare_upstream(job_file)
+            version = activate().upstream.installed.version
+            translator.write_upstream_config(config, version=version, path=job_file)
+        except user_errors as e:  # a clear message, not a traceback per rank
+            print(f"titan-npu: error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
         run_upstream()
     finally:
         os.unlink(job_file)
