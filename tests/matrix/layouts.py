@@ -33,6 +33,12 @@ class Layout:
     def why_unsupported(self, *, version: str, era: str) -> str | None:
         return self.unsupported.get(version) or self.unsupported.get(era)
 
+    def reference_args(self, era: str) -> list[str]:
+        """The settings a single-device reference must share (data, model)."""
+        merged = {**self.overrides, **self.era_overrides.get(era, {})}
+        shared = {k: v for k, v in merged.items() if k in REFERENCE_KEYS}
+        return [a for key, value in shared.items() for a in (f"--{key}", str(value))]
+
     def known_issue(self, version: str) -> KnownIssue | None:
         return self.known_issues.get(version)
 
@@ -69,6 +75,9 @@ def _pipeline(schedule: str, *, dp_shard: int = 1) -> dict:
     }
 
 
+# Settings that change what is computed, not how it is parallelized.
+REFERENCE_KEYS = ("training.seq_len", "model.flavor")
+
 _CP_NEEDS_FLEX = "CP on CPU needs FlexAttention (SDPA has no CPU sharding strategy)"
 
 LAYOUTS = [
@@ -96,7 +105,8 @@ LAYOUTS = [
     Layout(
         "cp",
         2,
-        _degrees(cp=2),
+        # FlexAttention CP shards whole 128-token blocks: seq_len % (2 x 128) == 0
+        {**_degrees(cp=2), "training.seq_len": 256},
         unsupported={
             "0.2.0": "upstream 0.2.0 refuses FlexAttention with CP; " + _CP_NEEDS_FLEX,
             "0.2.1": "upstream 0.2.1 refuses FlexAttention with CP; " + _CP_NEEDS_FLEX,
