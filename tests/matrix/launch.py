@@ -1,16 +1,20 @@
-"""Fast matrix launches: torchrun's elastic launcher forking the ranks.
+"""Fast matrix launches: torchrun's elastic launcher with a warm fork server.
 
 A `titan-npu train` launch spends ~25 s importing torch and upstream in every
 rank before its first step; the matrix makes ~40 launches per upstream. This
-launcher imports upstream once, in the pytest process, then starts every run
-with ``elastic_launch`` (the engine behind torchrun: c10d rendezvous, one
-process per rank, gloo) using the ``fork`` start method, so each rank begins
-with upstream already imported. Each run is still a fresh set of processes;
-the same translation and overlay code as `titan-npu train` runs in them.
-(Fresh `titan-npu train` launches are covered by tests/test_train_e2e.py.)
+launcher starts every run with ``elastic_launch`` (the engine behind torchrun:
+c10d rendezvous, one process per rank, gloo) using the ``forkserver`` start
+method, the server having preloaded upstream (``warm_upstream``): each rank
+is a fresh process forked from a clean single-threaded interpreter that has
+already imported upstream. (Forking the ranks straight from pytest, whose
+launcher holds rendezvous threads, crashed ~1 launch in 70.) The same
+translation and overlay code as `titan-npu train` runs in the ranks; fresh
+`titan-npu train` launches are covered by tests/test_train_e2e.py.
 """
 
+import multiprocessing
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -20,26 +24,37 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from torchtitan_npu.bootstrap import activate
-from torchtitan_npu.config import resolve
-from torchtitan_npu.entry import prepare_upstream, run_upstream
+from torchtitan_npu.compat import resolve_upstream
+from torchtitan_npu.config import era_translator, resolve
+from torchtitan_npu.entry import run_upstream
 from torchtitan_npu.tools.scalars import read_scalars
+
+JOB_FILE_ENV = "TITAN_NPU_MATRIX_JOB_FILE"  # read by warm_upstream
 
 
 def _rank_main(num_threads: int | None) -> None:
+    # multiprocessing ignores a preload module that fails to import.
+    assert "warm_upstream" in sys.modules, "the fork server did not preload upstream"
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     run_upstream()
 
 
 class WarmLauncher:
-    """Imports upstream once; ``train`` forks a fresh process group per run."""
+    """Upstream imported once in a fork server; ``train`` starts fresh ranks."""
 
     def __init__(self, workdir: Path) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.job_file = workdir / "upstream-job"
-        self.translator = prepare_upstream(str(self.job_file))
+        os.environ[JOB_FILE_ENV] = str(self.job_file)
+        # The fork server is a new interpreter: it finds warm_upstream (and this
+        # module) through PYTHONPATH, not through pytest's sys.path.
+        here = Path(__file__).resolve().parent
+        paths = [str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        multiprocessing.set_forkserver_preload(["warm_upstream"])
+        self.translator = era_translator(resolve_upstream().era)
         self.version = activate().upstream.installed.version
-        import torchtitan.train  # noqa: F401  (the import every rank inherits)
 
     def train(
         self, dump_folder: Path, args: list[str], *, nproc: int, scalars: bool = True
@@ -58,11 +73,10 @@ class WarmLauncher:
             rdzv_backend="c10d",
             rdzv_endpoint="127.0.0.1:0",
             max_restarts=0,
-            start_method="fork",
+            start_method="forkserver",
             logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL),
         )
-        # As torchrun: one thread per rank when several share the machine. (The
-        # parent must not start OpenMP itself: its pool would not survive fork.)
+        # As torchrun: one thread per rank when several share the machine.
         threads = 1 if nproc > 1 else None
         try:
             elastic_launch(launch, _rank_main)(threads)

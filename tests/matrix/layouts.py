@@ -13,6 +13,7 @@ class KnownIssue:
 
     grad_norm_ratio: float
     reason: str
+    loss_rtol: float | None = None  # when the bug also moves the loss
 
 
 _GLOBAL_TOKENS_022 = "0.2.2 normalizes the loss by the global token count, but "
@@ -91,6 +92,8 @@ LAYOUTS = [
                 0.5,
                 _GLOBAL_TOKENS_022 + "its DDP (replicate) still averages "
                 "gradients over ranks: they come out 1/dp of the right value",
+                # AdamW's eps makes halved gradients visible: ~6.5e-5 by step 3
+                loss_rtol=2e-4,
             )
         },
     ),

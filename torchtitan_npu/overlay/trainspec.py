@@ -48,4 +48,31 @@ EAGER_FLEX_ATTENTION = Patch(
     skip=skip_unless_cpu,
 )
 
-PATCHES = [EAGER_FLEX_ATTENTION]
+
+def _apply_mask_device(target: Target, ctx: PatchContext) -> list[Change]:
+    original = target.obj
+    device_position = 5  # create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device)
+
+    def create_attention_mask(*args, **kwargs):
+        if len(args) <= device_position:
+            kwargs.setdefault("device", ctx.device_type)
+        return original(*args, **kwargs)
+
+    return [Change(target.owner, target.attr, create_attention_mask, rebind=True)]
+
+
+FLEX_MASK_DEVICE = Patch(
+    name="flex_mask_device",
+    target="torchtitan.models.attention:create_attention_mask",
+    kind="wrap",
+    reason=(
+        "0.2.x builds FlexAttention block masks without a device, and torch's "
+        "create_block_mask defaults to 'cuda': flex flavours (and so CP) fail "
+        "with a cuda/cpu device mismatch elsewhere. Passes the training device."
+    ),
+    eras=("trainspec",),
+    apply=_apply_mask_device,
+    skip=lambda ctx: "cuda is the default" if ctx.device_type == "cuda" else None,
+)
+
+PATCHES = [EAGER_FLEX_ATTENTION, FLEX_MASK_DEVICE]
