@@ -17,12 +17,15 @@ import os
 import sys
 from dataclasses import dataclass
 
+from torchtitan_npu.compat import Upstream
 from torchtitan_npu.overlay import OVERLAY, PatchContext, PatchStatus
 
 
 @dataclass(frozen=True)
 class Activation:
-    upstream: object  # compat.Upstream
+    """The overlay as activated in this process."""
+
+    upstream: Upstream
     context: PatchContext
     status: list[PatchStatus]
 
