@@ -35,6 +35,7 @@ JOB_FILE_ENV = "TITAN_NPU_MATRIX_JOB_FILE"  # read by warm_upstream
 def _rank_main(num_threads: int | None) -> None:
     # multiprocessing ignores a preload module that fails to import.
     assert "warm_upstream" in sys.modules, "the fork server did not preload upstream"
+    sys.argv = list(sys.modules["warm_upstream"].UPSTREAM_ARGV)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     run_upstream()

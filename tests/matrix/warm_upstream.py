@@ -7,10 +7,14 @@ line at import); the launcher rewrites that file before each run.
 """
 
 import os
+import sys
 
 from launch import JOB_FILE_ENV
 
 from torchtitan_npu.entry import prepare_upstream
 
 prepare_upstream(os.environ[JOB_FILE_ENV])
+# multiprocessing gives every forked child the launcher's sys.argv; the ranks
+# put this one back (0.3.x reads it when parsing).
+UPSTREAM_ARGV = list(sys.argv)
 import torchtitan.train  # noqa: E402, F401
