@@ -54,5 +54,10 @@ def results(request):
     yield cells
     path = request.config.getoption("--matrix-results")
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(cells, indent=2))
+        # Merge: the file keeps each layout's latest result (subset reruns).
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        earlier = json.loads(path.read_text()) if path.exists() else []
+        rerun = {c["layout"] for c in cells}
+        kept = [c for c in earlier if c["layout"] not in rerun]
+        path.write_text(json.dumps(kept + cells, indent=2))
