@@ -16,19 +16,27 @@ from torchtitan_npu.tools.loss_compare import plot_runs
 from torchtitan_npu.tools.table import format_markdown_table
 
 
-def cell_text(cell: dict | None) -> str:
+def cell_text(cell: dict | None, notes: list[str]) -> str:
+    """A table cell; long reasons become numbered notes under the table."""
+
+    def note(reason: str) -> str:
+        if reason not in notes:
+            notes.append(reason)
+        return f"[{notes.index(reason) + 1}]"
+
     if cell is None:
         return "not run"
     if cell["status"] == "unsupported":
-        return f"unsupported: {cell['reason']}"
+        return f"unsupported {note(cell['reason'])}"
     if "wall_s" not in cell:  # crashed before any check finished
-        return "**FAIL** (launch failed, see pytest output)"
+        return "**FAIL**: a launch failed (see pytest output)"
     parity = f"{max(cell['parity_max_rel_loss'], cell['parity_max_rel_grad_norm']):.1e}"
+    timing = f"{cell['wall_s']:.0f}s, parity {parity}"
     if cell["status"] == "upstream issue":
-        return f"upstream bug ({cell['wall_s']:.0f}s): {cell['reason']}"
+        return f"upstream bug {note(cell['reason'])} ({timing})"
     if cell["status"] == "fail":
-        return f"**FAIL** {cell['reason']} ({cell['wall_s']:.0f}s, parity {parity})"
-    return f"pass ({cell['wall_s']:.0f}s, parity {parity})"
+        return f"**FAIL** {cell['reason']} ({timing})"
+    return f"pass ({timing})"
 
 
 def main(results_dir: str, out_dir: str) -> int:
@@ -42,9 +50,10 @@ def main(results_dir: str, out_dir: str) -> int:
     layouts = [
         lay.name for lay in LAYOUTS if any(c["layout"] == lay.name for c in cells)
     ]
+    notes: list[str] = []
     rows = [
         [f"{name} ({next(c['nproc'] for c in cells if c['layout'] == name)}p)"]
-        + [cell_text(by_key.get((u, name))) for u in upstreams]
+        + [cell_text(by_key.get((u, name)), notes) for u in upstreams]
         for name in layouts
     ]
     table = format_markdown_table(
@@ -56,7 +65,9 @@ def main(results_dir: str, out_dir: str) -> int:
         "Each cell: parity with the single-device run (max relative difference of "
         "loss / grad_norm), bit-identical determinism over two launches, and "
         "bit-identical resume from a mid-run checkpoint.\n\n"
-        f"{table}\n\nCell wall time in total: {total / 60:.1f} min\n"
+        f"{table}\n\n"
+        + "".join(f"[{i}] {text}\n" for i, text in enumerate(notes, 1))
+        + f"\nCell wall time in total: {total / 60:.1f} min\n"
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
