@@ -101,6 +101,7 @@ def plot_runs(runs: dict[str, str | Path], out: str | Path, *, title: str = "") 
         axis.set_xlabel("step")
         axis.set_title(tag)
         axis.grid(alpha=0.3)
+    axes[1].set_yscale("log")  # scale bugs (2x, 256x) stay readable
     axes[0].legend(fontsize=8)
     if title:
         figure.suptitle(title)
