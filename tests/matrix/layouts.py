@@ -108,20 +108,14 @@ LAYOUTS = [
     Layout(
         "cp",
         2,
-        # FlexAttention CP needs whole 128-token blocks per rank and load-balancing
-        # half: seq_len % (2 x 128) == 0
-        {**_degrees(cp=2), "training.seq_len": 256},
+        # FlexAttention CP builds the block mask per rank's shard and needs
+        # whole 128-token blocks for each load-balanced half: 512 / 2 = 2 x 128.
+        {**_degrees(cp=2), "training.seq_len": 512},
         unsupported={
             "0.2.0": "upstream 0.2.0 refuses FlexAttention with CP; " + _CP_NEEDS_FLEX,
             "0.2.1": "upstream 0.2.1 refuses FlexAttention with CP; " + _CP_NEEDS_FLEX,
         },
-        # 0.2.x builds the block mask on the local shard: 512 / 2 ranks = 256.
-        era_overrides={
-            "trainspec": {
-                "model.flavor": "debugmodel_flex_attn",
-                "training.seq_len": 512,
-            }
-        },
+        era_overrides={"trainspec": {"model.flavor": "debugmodel_flex_attn"}},
     ),
     Layout(
         "fsdp_ac_full",
