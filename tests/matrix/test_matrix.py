@@ -103,7 +103,7 @@ def test_cell(
         pytest.skip(f"{layout.name} on torchtitan {version}: {reason}")
 
     cell.update(status="fail", reason="a launch failed")  # until checks finish
-    args = [*layout.args(era), *common_args(matrix_data, seed_dump)]
+    args = [*common_args(matrix_data, seed_dump), *layout.args(era)]  # layout wins
     start = time.perf_counter()
     ref_dump, ref, ref_seconds = references(layout)
     if layout.name == "single":
