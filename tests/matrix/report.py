@@ -74,10 +74,11 @@ def main(results_dir: str, out_dir: str) -> int:
     (out / "matrix.md").write_text(text)
     print(text)
     for upstream in upstreams:
+        # A later partial rerun replaces the work folder of earlier cells.
         runs = {
             c["layout"]: c["dump"]
             for c in cells
-            if c["upstream"] == upstream and c.get("dump")
+            if c["upstream"] == upstream and c.get("dump") and Path(c["dump"]).is_dir()
         }
         if runs:
             path = plot_runs(
