@@ -12,20 +12,22 @@ already was — the overlay activates:
    applies the patches in declared order.
 """
 
-import importlib.abc
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torchtitan_npu.compat import Upstream
 from torchtitan_npu.overlay import OVERLAY, PatchContext, PatchStatus
+
+if TYPE_CHECKING:  # importing compat here would cost every `titan-npu` call
+    from torchtitan_npu.compat import Upstream
 
 
 @dataclass(frozen=True)
 class Activation:
     """The overlay as activated in this process."""
 
-    upstream: Upstream
+    upstream: "Upstream"
     context: PatchContext
     status: list[PatchStatus]
 
@@ -82,12 +84,14 @@ def deactivate() -> None:
     _activation = None
 
 
-class _ActivateOnUpstreamImport(importlib.abc.MetaPathFinder):
-    """Activates the overlay right after ``torchtitan`` itself is imported."""
+class _ActivateOnUpstreamImport:
+    """A meta-path finder: activates the overlay right after ``torchtitan``."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname != "torchtitan":
             return None
+        import importlib.util
+
         remove_hook()
         spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:

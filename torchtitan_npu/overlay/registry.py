@@ -8,11 +8,8 @@ patch, the target and the upstream version — never a silent skip.
 """
 
 import contextlib
-import hashlib
 import importlib
-import inspect
 import sys
-import textwrap
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -96,6 +93,10 @@ def resolve_target(spec: str) -> Target:
 
 def fingerprint(obj: Any) -> str:
     """sha256 (16 hex) of the dedented source of a function, method or class."""
+    import hashlib
+    import inspect
+    import textwrap
+
     func = obj.__func__ if isinstance(obj, staticmethod | classmethod) else obj
     source = textwrap.dedent(inspect.getsource(func))
     return hashlib.sha256(source.encode()).hexdigest()[:16]
