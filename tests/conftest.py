@@ -15,6 +15,16 @@ def pytest_addoption(parser):
     parser.addoption("--matrix-results", help="matrix: write cell results (JSON) here")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The matrix runs only when asked for by marker (`-m matrix`, nox)."""
+    if "matrix" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if "matrix" not in item.keywords]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+
+
 @pytest.fixture(scope="session")
 def upstream():
     return resolve_upstream()
