@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from torchtitan_npu.config.fields import get_path, has_path, set_path
+from torchtitan_npu.config.fields import MISSING, get_path, has_path, set_path
 from torchtitan_npu.config.schema import ConfigError, flatten
 
 ERA = "config_registry"
@@ -25,12 +25,12 @@ _RENAMES = {
     "model.hf_assets_path": "hf_assets_path",
     "training.dataset": "dataloader.dataset",
     "training.dataset_path": "dataloader.dataset_path",
-    "optimizer.implementation": "optimizer.implementation",
 }
 _SECTION_RENAMES = {"profiling": "profiler", "validation": "validator"}
 # Keys consumed while choosing the base config, or pure descriptions.
 _HANDLED = {"model.name", "model.flavor", "job.description"}
-_OPTIMIZER_KWARGS = {"lr": "lr", "eps": "eps", "weight_decay": "weight_decay"}
+# [optimizer] keys that live in every param group's optimizer_kwargs on 0.3.x
+_OPTIMIZER_KWARGS = {"lr", "eps", "weight_decay"}
 
 
 def base_config(name: str, flavor: str):
@@ -99,7 +99,7 @@ def to_trainer_config(config: dict[str, Any], *, version: str, device_type: str)
             continue
         if section == "optimizer" and leaf in _OPTIMIZER_KWARGS:
             for group in trainer_config.optimizer.param_groups:
-                group.optimizer_kwargs[_OPTIMIZER_KWARGS[leaf]] = value
+                group.optimizer_kwargs[leaf] = value
             continue
         if key == "optimizer.name":
             for group in trainer_config.optimizer.param_groups:
@@ -108,10 +108,8 @@ def to_trainer_config(config: dict[str, Any], *, version: str, device_type: str)
         target = _RENAMES.get(key) or ".".join(
             [_SECTION_RENAMES.get(section, section), leaf]
         )
-        if not has_path(trainer_config, target) or (
-            get_path(trainer_config, target) is not None
-            and isinstance(get_path(trainer_config, target), dict)
-        ):
+        current = get_path(trainer_config, target)
+        if current is MISSING or isinstance(current, dict):
             raise ConfigError(
                 f"train config key {key!r} has no counterpart in torchtitan "
                 f"{version} (era {ERA})"

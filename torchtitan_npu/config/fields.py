@@ -3,22 +3,22 @@
 import dataclasses
 from typing import Any
 
-_MISSING = object()
+MISSING = object()
 
 
 def get_path(obj: Any, dotted: str) -> Any:
-    """The value at ``a.b.c``; ``_MISSING`` when a step is not a dataclass field."""
+    """The value at ``a.b.c``; ``MISSING`` when a step is not a dataclass field."""
     for part in dotted.split("."):
         if not dataclasses.is_dataclass(obj):
-            return _MISSING
+            return MISSING
         if part not in {f.name for f in dataclasses.fields(obj)}:
-            return _MISSING
+            return MISSING
         obj = getattr(obj, part)
     return obj
 
 
 def has_path(obj: Any, dotted: str) -> bool:
-    return get_path(obj, dotted) is not _MISSING
+    return get_path(obj, dotted) is not MISSING
 
 
 def set_path(obj: Any, dotted: str, value: Any) -> None:
