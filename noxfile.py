@@ -23,7 +23,13 @@ nox.options.sessions = [
 ]
 PYTHON = "3.11"
 # titan-npu's own needs beyond torch + torchtitan (see pyproject.toml).
-OWN_DEPS = ["tomli-w>=1.0", "pytest>=8", "pytest-xdist>=3.6", "matplotlib>=3.8"]
+OWN_DEPS = [
+    "tomli-w>=1.0",
+    "pytest>=8",
+    "pytest-xdist>=3.6",
+    "matplotlib>=3.8",
+    "transformers>=4.57,<5",
+]
 
 
 def upstream_env(session: nox.Session, version: str) -> Path:

@@ -1,4 +1,4 @@
-"""``titan-npu``: train | doctor | compat | loss-compare.
+"""``titan-npu``: train | convert | doctor | compat | loss-compare.
 
 Importing this module (and ``titan-npu --help``) must not import torch.
 """
@@ -80,6 +80,31 @@ def _loss_compare(args: argparse.Namespace, rest: list[str]) -> int:
     return main(args)
 
 
+def _convert(args: argparse.Namespace, rest: list[str]) -> int:
+    from torchtitan_npu.state_dict_adapters import convert
+
+    dtype = convert.DTYPE_ARGS[args.dtype] if args.dtype else None
+    common = dict(model=args.model, flavor=args.flavor, dtype=dtype)
+    if args.direction == "from-hf":
+        result = convert.from_hf(args.source, args.out, **common)
+        hint = f"train from it: --checkpoint.initial_load_path {result.out}"
+    else:
+        result = convert.to_hf(
+            args.source,
+            args.out,
+            max_shard_size=args.max_shard_size,
+            tokenizer=args.tokenizer,
+            **common,
+        )
+        hint = "load it with transformers' from_pretrained"
+    print(
+        f"titan-npu convert: wrote {result.out} ({args.model} {result.flavor}, "
+        f"{result.tensors} tensors, {result.nbytes / 1e9:.3f} GB, "
+        f"{result.seconds:.1f} s); {hint}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="titan-npu",
@@ -105,6 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-all-ranks", action="store_true", help="print every rank's log"
     )
     train.set_defaults(handler=_train)
+
+    convert = commands.add_parser(
+        "convert", help="HF safetensors <-> native (DCP) checkpoints"
+    )
+    directions = convert.add_subparsers(dest="direction", required=True)
+    for name, source, help_ in [
+        ("from-hf", "HF_DIR", "HF checkpoint -> native checkpoint to train from"),
+        ("to-hf", "CKPT", "native checkpoint -> HF safetensors + config.json"),
+    ]:
+        sub = directions.add_parser(name, help=help_, description=help_)
+        sub.add_argument("source", metavar=source)
+        sub.add_argument("out", metavar="OUT", help="new directory (atomic)")
+        sub.add_argument("--model", required=True, help="llama3, qwen3, ...")
+        sub.add_argument("--flavor", help="default: inferred from the shapes")
+        sub.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
+        if name == "to-hf":
+            sub.add_argument("--max-shard-size", default="5GB")
+            sub.add_argument("--tokenizer", help="copy HF tokenizer files from DIR")
+        sub.set_defaults(handler=_convert)
 
     doctor = commands.add_parser("doctor", help="versions, device, patch table")
     doctor.set_defaults(handler=_doctor)

@@ -1,0 +1,152 @@
+"""What the dense decoder models (llama3, qwen3, qwen2) share: native names
+per era, the dense rules, and era-neutral reads of upstream model args."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan_npu.state_dict_adapters.mapping import IDENTITY, Rule, TensorInfo
+
+TRAINSPEC, CONFIG_REGISTRY = "trainspec", "config_registry"
+
+
+def lm_head(era: str) -> str:
+    return "output.weight" if era == TRAINSPEC else "lm_head.weight"
+
+
+def qkv(era: str) -> str:
+    """Prefix of the q/k/v projections (0.3.x nests them in qkv_linear)."""
+    return "attention." if era == TRAINSPEC else "attention.qkv_linear."
+
+
+def dense_rules(
+    era: str,
+    *,
+    q=IDENTITY,
+    k=IDENTITY,
+    bias: bool = False,
+    qk_norm: bool = False,
+    qkv_prefix: str | None = None,
+    head: str | None = None,
+) -> list[Rule]:
+    """Embedding, attention, SwiGLU MLP, norms and (tie-able) output head."""
+    hf, native = "model.layers.{layer}.", "layers.{layer}."
+    p = qkv_prefix if qkv_prefix is not None else qkv(era)
+    rules = [Rule("model.embed_tokens.weight", "tok_embeddings.weight")]
+    suffixes = ["weight", "bias"] if bias else ["weight"]
+    for s in suffixes:
+        rules += [
+            Rule(f"{hf}self_attn.q_proj.{s}", f"{native}{p}wq.{s}", q),
+            Rule(f"{hf}self_attn.k_proj.{s}", f"{native}{p}wk.{s}", k),
+            Rule(f"{hf}self_attn.v_proj.{s}", f"{native}{p}wv.{s}"),
+        ]
+    rules += [
+        Rule(f"{hf}self_attn.o_proj.weight", f"{native}attention.wo.weight"),
+        Rule(f"{hf}self_attn.rotary_emb.inv_freq", None),
+        Rule(f"{hf}input_layernorm.weight", f"{native}attention_norm.weight"),
+        Rule(f"{hf}post_attention_layernorm.weight", f"{native}ffn_norm.weight"),
+        Rule("model.norm.weight", "norm.weight"),
+        Rule(
+            "lm_head.weight",
+            head or lm_head(era),
+            tied_to="model.embed_tokens.weight",
+        ),
+    ]
+    if qk_norm:
+        rules += [
+            Rule(f"{hf}self_attn.q_norm.weight", f"{native}attention.q_norm.weight"),
+            Rule(f"{hf}self_attn.k_norm.weight", f"{native}attention.k_norm.weight"),
+        ]
+    return rules + mlp_rules(hf + "mlp.", native + "feed_forward.")
+
+
+def mlp_rules(hf: str, native: str) -> list[Rule]:
+    """SwiGLU: gate = w1, up = w3, down = w2."""
+    return [
+        Rule(f"{hf}gate_proj.weight", f"{native}w1.weight"),
+        Rule(f"{hf}up_proj.weight", f"{native}w3.weight"),
+        Rule(f"{hf}down_proj.weight", f"{native}w2.weight"),
+    ]
+
+
+def n_layers(layout: Mapping[str, TensorInfo]) -> int:
+    found = {int(m.group(1)) for k in layout if (m := re.match(r"layers\.(\d+)\.", k))}
+    return max(found) + 1 if found else 0
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Era-neutral facts about a decoder's attention and rope."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int | None
+    norm_eps: float
+    rope: Any  # 0.3.x RoPE.Config; 0.2.x the model args themselves
+    rope_theta: float
+    max_seq_len: int
+    tied: bool
+
+
+def attention_facts(args: Any, era: str) -> Attention:
+    """Read heads / eps / rope / tying from upstream model args of either era."""
+    if era == TRAINSPEC:
+        n_heads = args.n_heads
+        return Attention(
+            n_heads=n_heads,
+            n_kv_heads=getattr(args, "n_kv_heads", None) or n_heads,
+            head_dim=getattr(args, "head_dim", None),
+            norm_eps=args.norm_eps,
+            rope=args,
+            rope_theta=float(args.rope_theta),
+            max_seq_len=args.max_seq_len,
+            tied=bool(getattr(args, "enable_weight_tying", False)),
+        )
+    attn = args.layers[0].attention
+    qkv_linear = getattr(attn, "qkv_linear", None)
+    n_heads = attn.n_heads
+    n_kv = getattr(qkv_linear, "n_kv_heads", None) or attn.n_kv_heads or n_heads
+    head_dim = getattr(qkv_linear, "head_dim", None) or attn.head_dim
+    return Attention(
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        norm_eps=args.norm.eps,
+        rope=attn.rope,
+        rope_theta=float(attn.rope.theta),
+        max_seq_len=attn.rope.max_seq_len,
+        tied=bool(getattr(args, "enable_weight_tying", False)),
+    )
+
+
+def base_hf_config(
+    architecture: str,
+    model_type: str,
+    facts: Attention,
+    layout: Mapping[str, TensorInfo],
+    era: str,
+) -> dict[str, Any]:
+    """The config.json fields every HF decoder shares."""
+    vocab, dim = layout["tok_embeddings.weight"].shape
+    ffn = layout.get("layers.0.feed_forward.w1.weight")
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": dim,
+        "num_hidden_layers": n_layers(layout),
+        "num_attention_heads": facts.n_heads,
+        "num_key_value_heads": facts.n_kv_heads,
+        "head_dim": facts.head_dim or dim // facts.n_heads,
+        "rms_norm_eps": facts.norm_eps,
+        "rope_theta": facts.rope_theta,
+        "max_position_embeddings": facts.max_seq_len,
+        "tie_word_embeddings": facts.tied,
+        "hidden_act": "silu",
+    }
+    if ffn is not None:
+        config["intermediate_size"] = ffn.shape[0]
+    return config

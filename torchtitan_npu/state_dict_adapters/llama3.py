@@ -1,0 +1,48 @@
+"""Llama 3 <-> HF LlamaForCausalLM.
+
+Native attention applies RoPE to interleaved pairs (complex multiply); HF
+rotates halves, so q/k rows are permuted per head.
+"""
+
+from torchtitan_npu.state_dict_adapters.decoder import (
+    TRAINSPEC,
+    attention_facts,
+    base_hf_config,
+    dense_rules,
+)
+from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, rope_permute
+
+
+def rules(era, hf_config):
+    n_heads = hf_config["num_attention_heads"]
+    n_kv = hf_config.get("num_key_value_heads") or n_heads
+    return dense_rules(era, q=rope_permute(n_heads), k=rope_permute(n_kv))
+
+
+def hf_config(args, era, layout):
+    facts = attention_facts(args, era)
+    config = base_hf_config("LlamaForCausalLM", "llama", facts, layout, era)
+    config.update(attention_bias=False, mlp_bias=False)
+    config["rope_scaling"] = _rope_scaling(facts.rope, era)
+    return config
+
+
+def _rope_scaling(rope, era):
+    if era == TRAINSPEC:
+        scaling = getattr(rope, "rope_scaling_args", None)
+    else:
+        scaling = rope if rope.scaling == "llama" else None
+    if scaling is None:
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": float(scaling.scaling_factor),
+        "low_freq_factor": float(scaling.low_freq_factor),
+        "high_freq_factor": float(scaling.high_freq_factor),
+        "original_max_position_embeddings": int(
+            scaling.original_max_position_embeddings
+        ),
+    }
+
+
+ADAPTER = ModelAdapter("llama3", "LlamaForCausalLM", rules, hf_config)

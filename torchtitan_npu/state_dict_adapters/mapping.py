@@ -1,0 +1,292 @@
+"""Declarative, invertible key mappings between HF and native state dicts.
+
+A model's mapping is a list of `Rule`s. Each rule pairs one HF key pattern
+with one native key pattern and an invertible tensor transform. Patterns use
+``{layer}`` and ``{expert}``; a rule whose HF pattern has ``{expert}`` and
+whose native pattern does not stacks the per-expert HF tensors (in numeric
+expert order) into one native tensor.
+
+Planning works on tensor metadata only (`TensorInfo`), so a whole conversion
+is checked -- every key consumed once, every target produced once, shapes and
+dtypes -- before a byte is read or written; all problems are reported together
+as one `ConversionError`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+PLACEHOLDERS = ("layer", "expert")
+
+# Non-model state in a native (DCP) training checkpoint: ignored on export.
+TRAINING_STATE_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state")
+
+
+class ConversionError(ValueError):
+    """Everything wrong with one conversion, reported together."""
+
+    def __init__(self, what: str, problems: Iterable[str]):
+        self.problems = list(problems)
+        listed = "\n".join(f"  - {p}" for p in self.problems[:50])
+        more = len(self.problems) - 50
+        if more > 0:
+            listed += f"\n  ... and {more} more"
+        super().__init__(f"{what}: {len(self.problems)} problem(s)\n{listed}")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorInfo:
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Transform:
+    """An invertible per-tensor transform (shape-preserving)."""
+
+    name: str
+    to_hf: Callable[[torch.Tensor], torch.Tensor]
+    from_hf: Callable[[torch.Tensor], torch.Tensor]
+
+
+IDENTITY = Transform("identity", lambda t: t, lambda t: t)
+
+
+def rope_permute(n_heads: int) -> Transform:
+    """Native interleaved (complex) RoPE rows <-> HF half-split rows.
+
+    Within each head, native rows pair (0,1), (2,3), ...; HF pairs row i with
+    row i + head_dim/2. Works on weights and biases (any trailing dims).
+    """
+
+    def to_hf(t: torch.Tensor) -> torch.Tensor:
+        rows, rest = t.shape[0], tuple(t.shape[1:])
+        half = rows // n_heads // 2
+        return t.view(n_heads, half, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+
+    def from_hf(t: torch.Tensor) -> torch.Tensor:
+        rows, rest = t.shape[0], tuple(t.shape[1:])
+        half = rows // n_heads // 2
+        return t.view(n_heads, 2, half, *rest).transpose(1, 2).reshape(rows, *rest)
+
+    return Transform(f"rope_permute(n_heads={n_heads})", to_hf, from_hf)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One HF key pattern <-> one native key pattern.
+
+    native=None drops the HF key on import (derived buffers such as
+    ``rotary_emb.inv_freq``). tied_to names the HF key a tied weight is read
+    from when the HF checkpoint omits it; on export a tied weight is omitted.
+    """
+
+    hf: str
+    native: str | None
+    transform: Transform = IDENTITY
+    tied_to: str | None = None
+
+    @property
+    def stacked(self) -> bool:
+        return "{expert}" in self.hf and "{expert}" not in (self.native or "")
+
+
+def _compile(pattern: str) -> re.Pattern:
+    regex = re.escape(pattern)
+    for name in PLACEHOLDERS:
+        regex = regex.replace(re.escape("{" + name + "}"), f"(?P<{name}>\\d+)")
+    return re.compile(regex + r"\Z")
+
+
+def _natural(key: str):
+    """Sort key: numbers compare numerically (expert 10 after expert 9)."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key)]
+
+
+@dataclass(frozen=True)
+class Group:
+    """One native tensor and the HF tensors it corresponds to.
+
+    For a stacked rule `hf` lists one key per expert, in expert order.
+    """
+
+    native: str
+    hf: tuple[str, ...]
+    rule: Rule
+    native_info: TensorInfo
+    hf_infos: tuple[TensorInfo, ...]
+
+    def to_native(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if self.rule.stacked:
+            return torch.stack(tensors)
+        return self.rule.transform.from_hf(tensors[0])
+
+    def to_hf(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        if self.rule.stacked:
+            return list(tensor.unbind(0))
+        return [self.rule.transform.to_hf(tensor)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.native_info.nbytes + sum(i.nbytes for i in self.hf_infos)
+
+
+@dataclass
+class KeyMap:
+    """A model's rules, compiled; plans conversions in both directions."""
+
+    rules: list[Rule]
+    _hf: list[tuple[re.Pattern, Rule]] = field(init=False)
+    _native: list[tuple[re.Pattern, Rule]] = field(init=False)
+
+    def __post_init__(self):
+        self._hf = [(_compile(r.hf), r) for r in self.rules]
+        self._native = [(_compile(r.native), r) for r in self.rules if r.native]
+
+    def match_hf(self, key: str) -> tuple[Rule, dict[str, str]] | None:
+        return _match(self._hf, key)
+
+    def match_native(self, key: str) -> tuple[Rule, dict[str, str]] | None:
+        return _match(self._native, key)
+
+    def plan_from_hf(
+        self,
+        hf: Mapping[str, TensorInfo],
+        expected: Mapping[str, TensorInfo] | None = None,
+    ) -> list[Group]:
+        """Native groups from HF tensor metadata; `expected` is the native
+        model's layout (missing / unexpected / shape / dtype are checked)."""
+        problems: list[str] = []
+        sources: dict[str, tuple[Rule, dict[int, str]]] = {}
+        for key in sorted(hf, key=_natural):
+            found = self.match_hf(key)
+            if found is None:
+                problems.append(f"unexpected HF key {key!r}: no rule maps it")
+                continue
+            rule, fields = found
+            if rule.native is None:
+                continue
+            native = rule.native.format(**fields)
+            expert = int(fields["expert"]) if rule.stacked else 0
+            _, experts = sources.setdefault(native, (rule, {}))
+            experts[expert] = key
+        for rule in self.rules:  # tied weights absent from the HF files
+            if rule.tied_to is None or rule.tied_to not in hf:
+                continue
+            native = rule.native.format()
+            if native not in sources and (expected is None or native in expected):
+                sources[native] = (rule, {0: rule.tied_to})
+        groups = []
+        for native, (rule, experts) in sources.items():
+            keys = tuple(experts[e] for e in sorted(experts))
+            if rule.stacked and sorted(experts) != list(range(len(experts))):
+                gaps = sorted(set(range(max(experts) + 1)) - set(experts))
+                problems.append(f"{native}: HF experts {gaps} missing")
+                continue
+            infos = tuple(hf[k] for k in keys)
+            if len({i.shape for i in infos}) > 1 or len({i.dtype for i in infos}) > 1:
+                problems.append(f"{native}: experts differ in shape or dtype")
+                continue
+            shape = ((len(keys),) if rule.stacked else ()) + infos[0].shape
+            groups.append(
+                Group(native, keys, rule, TensorInfo(shape, infos[0].dtype), infos)
+            )
+        if expected is not None:
+            problems += _compare(
+                {g.native: g.native_info for g in groups}, expected, "native"
+            )
+        if problems:
+            raise ConversionError("HF -> native", problems)
+        return groups
+
+    def plan_to_hf(
+        self, native: Mapping[str, TensorInfo], *, tied: bool = False
+    ) -> list[Group]:
+        """HF groups from native tensor metadata (model keys only)."""
+        problems: list[str] = []
+        groups = []
+        produced: dict[str, str] = {}
+        for key in sorted(native, key=_natural):
+            found = self.match_native(key)
+            if found is None:
+                if not key.startswith(TRAINING_STATE_PREFIXES):
+                    problems.append(f"unexpected native key {key!r}: no rule maps it")
+                continue
+            rule, fields = found
+            if rule.tied_to is not None and tied:
+                continue
+            info = native[key]
+            if rule.stacked:
+                keys = tuple(
+                    rule.hf.format(expert=e, **fields) for e in range(info.shape[0])
+                )
+                infos = (TensorInfo(info.shape[1:], info.dtype),) * len(keys)
+            else:
+                keys, infos = (rule.hf.format(**fields),), (info,)
+            for k in keys:
+                if k in produced:
+                    problems.append(f"{k!r} produced by {produced[k]!r} and {key!r}")
+                produced[k] = key
+            groups.append(Group(key, keys, rule, info, infos))
+        if not groups and not problems:
+            problems.append("no model tensors found")
+        if problems:
+            raise ConversionError("native -> HF", problems)
+        return groups
+
+
+def _match(compiled, key):
+    for regex, rule in compiled:
+        m = regex.match(key)
+        if m:
+            return rule, m.groupdict()
+    return None
+
+
+def _compare(
+    got: Mapping[str, TensorInfo], want: Mapping[str, TensorInfo], side: str
+) -> list[str]:
+    problems = [f"missing {side} key {k!r}" for k in want if k not in got]
+    problems += [f"unexpected {side} key {k!r}" for k in got if k not in want]
+    for k in got.keys() & want.keys():
+        if got[k].shape != want[k].shape:
+            problems.append(
+                f"shape mismatch {k!r}: checkpoint {list(got[k].shape)}, "
+                f"model {list(want[k].shape)}"
+            )
+        elif not got[k].dtype.is_floating_point:
+            problems.append(f"dtype {k!r}: {got[k].dtype} is not a float type")
+    return sorted(problems, key=_natural)
+
+
+@dataclass(frozen=True)
+class ModelAdapter:
+    """How one model maps to HF: its rules and its config.json.
+
+    rules(era, hf_config) -> the mapping for that era (hf_config gives the
+    head counts transforms need); hf_config(args, era, layout) -> the HF
+    config.json of an upstream model config/args and its native layout.
+    """
+
+    name: str
+    hf_architecture: str
+    rules: Callable[[str, Mapping], list[Rule]]
+    hf_config: Callable[[object, str, Mapping[str, TensorInfo]], dict]
+
+    def keymap(self, era: str, hf_config: Mapping) -> KeyMap:
+        return KeyMap(self.rules(era, hf_config))

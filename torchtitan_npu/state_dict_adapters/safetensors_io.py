@@ -1,0 +1,189 @@
+"""HF checkpoint directories: validated reading and streamed sharded writing.
+
+Reading validates every header (and the index) before any tensor is read.
+Writing streams: each shard's header is written from the plan, then tensors
+are appended one by one, so memory holds one tensor group at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from torchtitan_npu.state_dict_adapters.mapping import ConversionError, TensorInfo
+
+INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class HFCheckpoint:
+    """A HF model directory: config.json + safetensors (+ index when sharded)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        problems: list[str] = []
+        if not self.path.is_dir():
+            raise ConversionError(f"HF checkpoint {self.path}", ["not a directory"])
+        self.config = _read_json(self.path / CONFIG, problems, required=False)
+        files = sorted(self.path.glob("*.safetensors"))
+        index = _read_json(self.path / INDEX, problems, required=False)
+        if index is not None:
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                problems.append(f"{INDEX}: no 'weight_map' object")
+                weight_map = {}
+            listed = sorted(set(weight_map.values()))
+            missing = [f for f in listed if not (self.path / f).is_file()]
+            problems += [f"{INDEX} names {f!r}, which does not exist" for f in missing]
+            files = [self.path / f for f in listed if f not in missing]
+        elif not files:
+            problems.append("no *.safetensors files")
+        self.files: dict[str, Path] = {}
+        self.infos: dict[str, TensorInfo] = {}
+        for file in files:
+            try:
+                with safe_open(file, framework="pt") as handle:
+                    for key in handle.keys():
+                        s = handle.get_slice(key)
+                        dtype = DTYPES.get(s.get_dtype())
+                        if dtype is None:
+                            problems.append(
+                                f"{file.name}: {key}: dtype {s.get_dtype()}"
+                            )
+                            continue
+                        if key in self.files:
+                            first = self.files[key].name
+                            problems.append(f"{key!r} in both {first} and {file.name}")
+                        self.files[key] = file
+                        self.infos[key] = TensorInfo(tuple(s.get_shape()), dtype)
+            except (SafetensorError, OSError) as e:
+                problems.append(f"{file.name}: unreadable safetensors ({e})")
+        if index is not None:
+            for key, name in weight_map.items():
+                if key in self.files and self.files[key].name != name:
+                    problems.append(f"{INDEX}: {key!r} is in {self.files[key].name}")
+                elif key not in self.files and (self.path / name).is_file():
+                    problems.append(f"{INDEX}: {key!r} is not in {name}")
+            problems += [
+                f"{k!r} is not in {INDEX}" for k in self.files if k not in weight_map
+            ]
+        if problems:
+            raise ConversionError(f"HF checkpoint {self.path}", problems)
+        self._handles: dict[Path, object] = {}
+
+    def read(self, key: str) -> torch.Tensor:
+        file = self.files[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="pt")
+        return self._handles[file].get_tensor(key)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.infos.values())
+
+
+def _read_json(path: Path, problems: list[str], *, required: bool):
+    if not path.exists():
+        if required:
+            problems.append(f"{path.name} missing")
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        problems.append(f"{path.name}: not valid JSON ({e})")
+        return None
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5 * 10**9 (also KB/MB/GiB/MiB/bytes), like HF's max_shard_size."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"bad size {text!r}; use e.g. 5GB, 500MB, 2GiB")
+    number, unit = float(m.group(1)), (m.group(2) or "B").upper()
+    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    base = 1024 if "I" in unit else 1000
+    return int(number * base**power)
+
+
+class ShardedWriter:
+    """Writes planned tensors, in plan order, into size-capped shards."""
+
+    def __init__(self, out: Path, plan: list[tuple[str, TensorInfo]], max_shard: int):
+        self.out = out
+        shards: list[list[tuple[str, TensorInfo]]] = [[]]
+        size = 0
+        for key, info in plan:
+            if shards[-1] and size + info.nbytes > max_shard:
+                shards.append([])
+                size = 0
+            shards[-1].append((key, info))
+            size += info.nbytes
+        n = len(shards)
+        self.names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.shards = shards
+        self.plan = [(k, i, s) for s, entries in enumerate(shards) for k, i in entries]
+        self._next = 0
+        self._file: BinaryIO | None = None
+        self._shard = -1
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        planned, info, shard = self.plan[self._next]
+        if key != planned or TensorInfo.of(tensor) != info:
+            raise AssertionError(f"write order/shape: got {key}, planned {planned}")
+        if shard != self._shard:
+            self._open(shard)
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(data.numpy()))
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self.plan):
+            raise AssertionError(
+                f"{len(self.plan) - self._next} planned tensors unwritten"
+            )
+        if self._file:
+            self._file.close()
+        weight_map = {k: self.names[s] for k, _, s in self.plan}
+        total = sum(i.nbytes for _, i, _ in self.plan)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (self.out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+    def _open(self, shard: int) -> None:
+        if self._file:
+            self._file.close()
+        self._shard = shard
+        self._file = open(self.out / self.names[shard], "wb")  # noqa: SIM115
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for key, info in self.shards[shard]:
+            header[key] = {
+                "dtype": DTYPE_NAMES[info.dtype],
+                "shape": list(info.shape),
+                "data_offsets": [offset, offset + info.nbytes],
+            }
+            offset += info.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._file.write(struct.pack("<Q", len(raw)) + raw)

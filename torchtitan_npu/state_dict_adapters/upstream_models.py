@@ -1,0 +1,74 @@
+"""Upstream model flavors, their args and native layouts, on either era."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from typing import Any
+
+import torch
+
+from torchtitan_npu.state_dict_adapters.decoder import TRAINSPEC
+from torchtitan_npu.state_dict_adapters.mapping import ConversionError, TensorInfo
+
+
+def _package(model: str):
+    for root in ("torchtitan.models", "torchtitan_npu.models"):
+        try:
+            return importlib.import_module(f"{root}.{model}")
+        except ModuleNotFoundError:
+            continue
+    raise ConversionError(f"model {model!r}", ["no such upstream model package"])
+
+
+def flavors(model: str, era: str) -> dict[str, Any]:
+    """flavor name -> model args (0.2.x) or model config (0.3.x)."""
+    if era == TRAINSPEC:
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        return dict(get_train_spec(model).model_args)
+    package = _package(model)
+    table = next(
+        (
+            v
+            for k, v in vars(package).items()
+            if k.endswith("_configs") and isinstance(v, dict)
+        ),
+        None,
+    )
+    names = list(table) if table else []
+    return {name: _config_of(package, name) for name in names}
+
+
+def _config_of(package, flavor: str):
+    return package.model_registry(flavor).model
+
+
+def model_args(model: str, flavor: str, era: str) -> Any:
+    known = flavors(model, era)
+    if flavor not in known:
+        raise ConversionError(
+            f"model {model!r}", [f"unknown flavor {flavor!r}; known: {sorted(known)}"]
+        )
+    return known[flavor]
+
+
+def build_meta(model: str, args: Any, era: str) -> torch.nn.Module:
+    """The native model on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        if era != TRAINSPEC:
+            return args.build()
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        args = copy.deepcopy(args)
+        if not hasattr(args, "moe_impl") and hasattr(args, "moe_args"):
+            args.moe_impl = "standard"  # set from the job config in training
+        return get_train_spec(model).model_cls(args)
+
+
+def layout_of(module: torch.nn.Module) -> dict[str, TensorInfo]:
+    return {k: TensorInfo.of(v) for k, v in module.state_dict().items()}
+
+
+def native_layout(model: str, args: Any, era: str) -> dict[str, TensorInfo]:
+    return layout_of(build_meta(model, args, era))
