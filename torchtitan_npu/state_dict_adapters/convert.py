@@ -222,6 +222,7 @@ def _flavor_for_native(model, flavor, layout, era):
 
 # config.json fields that decide the architecture (weights + numerics).
 _ARCH_FIELDS = (
+    "model_type",
     "hidden_size",
     "intermediate_size",
     "moe_intermediate_size",

@@ -1,0 +1,104 @@
+"""Tiny HF checkpoints and native models for the adapter tests (no download)."""
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
+
+from torchtitan_npu.state_dict_adapters import get_adapter
+from torchtitan_npu.state_dict_adapters import upstream_models as um
+
+MODELS = ["llama3", "qwen3", "deepseek_v3"]
+FLAVOR = "debugmodel"
+
+
+def model_args(model: str, era: str):
+    """The debug flavor, made HF-expressible where upstream's differs.
+
+    HF DeepseekV3 routes with normalized sigmoid scores and uses eps 1e-6 in
+    its MLA norms; upstream's debug flavor uses softmax and eps 1e-5.
+    """
+    args = copy.deepcopy(um.model_args(model, FLAVOR, era))
+    if model != "deepseek_v3":
+        return args
+    if era == "trainspec":
+        args.moe_args = dataclasses.replace(
+            args.moe_args, score_func="sigmoid", route_norm=True
+        )
+        args.norm_eps = 1e-6
+        return args
+    args.norm.eps = 1e-6
+    for layer in args.layers:
+        layer.attention_norm.eps = layer.ffn_norm.eps = 1e-6
+        layer.attention.kv_norm.eps = 1e-6
+        if layer.moe:
+            layer.moe.router.score_func = "sigmoid"
+            layer.moe.router.route_norm = True
+    return args
+
+
+def hf_model(model: str, args, era: str, seed: int = 0) -> torch.nn.Module:
+    layout = um.native_layout(model, args, era)
+    fields = get_adapter(model).hf_config(args, era, layout)
+    fields.pop("titan_npu_warning", None)
+    architecture = fields.pop("architectures")[0]
+    config = transformers.AutoConfig.for_model(**fields)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    hf = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():  # HF zero-inits some params (biases); make all count
+        for p in hf.parameters():
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.02)
+    return hf
+
+
+def save_hf(hf: torch.nn.Module, path: Path) -> Path:
+    hf.save_pretrained(path, max_shard_size="2MB")  # several shards + index
+    return path
+
+
+def native_model(model: str, args, era: str, seed: int = 0) -> torch.nn.Module:
+    """The native model on CPU, initialized (buffers included)."""
+    torch.manual_seed(seed)
+    if era == "trainspec":
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        args = copy.deepcopy(args)
+        if hasattr(args, "moe_args") and not hasattr(args, "moe_impl"):
+            args.moe_impl = "standard"
+        module = get_train_spec(model).model_cls(args)
+    else:
+        module = args.build()
+    with torch.no_grad():
+        try:
+            module.init_weights(buffer_device=torch.device("cpu"))
+        except TypeError:
+            module.init_weights()
+    return module.eval()
+
+
+def load_native(module: torch.nn.Module, checkpoint: Path) -> None:
+    state = module.state_dict()
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    module.load_state_dict(state)
+
+
+def save_native(module: torch.nn.Module, checkpoint: Path) -> None:
+    dcp.save(module.state_dict(), checkpoint_id=str(checkpoint))
+
+
+def native_logits(module: torch.nn.Module, tokens: torch.Tensor, era: str):
+    with torch.no_grad():
+        if era == "trainspec":
+            return module(tokens)
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        return module(tokens, attention_masks=module.get_attention_masks(positions))
+
+
+def hf_logits(hf: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(tokens).logits
