@@ -49,4 +49,37 @@ EAGER_FLEX_ATTENTION = Patch(
     skip=skip_unless_cpu,
 )
 
-PATCHES = [EAGER_FLEX_ATTENTION]
+
+def _apply_hf_adapter(target: Target, ctx: PatchContext) -> list[Change]:
+    import dataclasses
+
+    from torchtitan_npu.state_dict_adapters.upstream_adapter import adapter_class
+
+    original = target.obj
+    model = target.owner.__name__.rsplit(".", 1)[-1]
+
+    def model_registry(*args, **kwargs):
+        spec = original(*args, **kwargs)
+        adapter = adapter_class(model, ctx.era)
+        return dataclasses.replace(spec, state_dict_adapter=adapter)
+
+    return [Change(target.owner, target.attr, model_registry, rebind=True)]
+
+
+def _hf_adapter(model: str) -> Patch:
+    return Patch(
+        name=f"{model}_hf_adapter",
+        target=f"torchtitan.models.{model}:model_registry",
+        kind="wrap",
+        reason=(
+            "checkpoint.initial_load_in_hf / last_save_in_hf use titan-npu's "
+            "declarative, coverage-checked HF mapping (state_dict_adapters)."
+        ),
+        eras=("config_registry",),
+        apply=_apply_hf_adapter,
+    )
+
+
+HF_ADAPTERS = [_hf_adapter(m) for m in ("llama3", "qwen3", "deepseek_v3")]
+
+PATCHES = [EAGER_FLEX_ATTENTION, *HF_ADAPTERS]

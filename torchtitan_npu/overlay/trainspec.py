@@ -75,4 +75,35 @@ FLEX_MASK_DEVICE = Patch(
     skip=lambda ctx: "cuda is the default" if ctx.device_type == "cuda" else None,
 )
 
-PATCHES = [EAGER_FLEX_ATTENTION, FLEX_MASK_DEVICE]
+
+def _apply_hf_adapters(target: Target, ctx: PatchContext) -> list[Change]:
+    import dataclasses
+
+    from torchtitan_npu.state_dict_adapters import ADAPTERS
+    from torchtitan_npu.state_dict_adapters.upstream_adapter import adapter_class
+
+    original = target.obj
+
+    def get_train_spec(name: str):
+        spec = original(name)
+        if name not in ADAPTERS:
+            return spec
+        adapter = adapter_class(name, ctx.era)
+        return dataclasses.replace(spec, state_dict_adapter=adapter)
+
+    return [Change(target.owner, target.attr, get_train_spec, rebind=True)]
+
+
+HF_ADAPTERS = Patch(
+    name="hf_adapters",
+    target="torchtitan.protocols.train_spec:get_train_spec",
+    kind="wrap",
+    reason=(
+        "checkpoint.initial_load_in_hf / last_save_in_hf use titan-npu's "
+        "declarative, coverage-checked HF mappings (state_dict_adapters)."
+    ),
+    eras=("trainspec",),
+    apply=_apply_hf_adapters,
+)
+
+PATCHES = [EAGER_FLEX_ATTENTION, FLEX_MASK_DEVICE, HF_ADAPTERS]

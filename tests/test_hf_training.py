@@ -1,0 +1,79 @@
+"""checkpoint.initial_load_in_hf / last_save_in_hf through the overlay's
+adapter, under FSDP2 and TP, against the offline converter (real torchrun)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support import assert_bit_identical, train
+
+from torchtitan_npu.state_dict_adapters import convert, get_adapter
+from torchtitan_npu.state_dict_adapters import upstream_models as um
+from torchtitan_npu.state_dict_adapters.native_io import native_layout, read_native
+
+pytestmark = pytest.mark.e2e
+
+SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+SAVE += ["--checkpoint.last_save_model_only", "true"]
+FSDP = ["--parallelism.data_parallel_shard_degree", "2"]
+TP = ["--parallelism.tensor_parallel_degree", "2"]
+
+
+def hf_tensors(path):
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def test_hf_save_and_load_in_training(tmp_path):
+    # The same FSDP2 run twice: once saving HF in training, once DCP.
+    a = train(tmp_path / "a", *SAVE, "--checkpoint.last_save_in_hf", "true",
+              *FSDP, nproc=2, steps=2)  # fmt: skip
+    b = train(tmp_path / "b", *SAVE, *FSDP, nproc=2, steps=2)
+    assert_bit_identical(a, b)
+    saved_hf = tmp_path / "a" / "checkpoint" / "step-2"
+    saved_dcp = tmp_path / "b" / "checkpoint" / "step-2"
+
+    # In-training export == offline export of the same weights.
+    convert.to_hf(saved_dcp, tmp_path / "offline", "llama3", progress=False)
+    ours, offline = hf_tensors(saved_hf), hf_tensors(tmp_path / "offline")
+    assert ours.keys() == offline.keys()
+    for key in ours:
+        assert torch.equal(ours[key], offline[key]), key
+
+    # FSDP-sharded DCP -> HF -> DCP is bit-exact.
+    convert.from_hf(tmp_path / "offline", tmp_path / "again", "llama3", progress=False)
+    layout = native_layout(saved_dcp)
+    for key, info in native_layout(tmp_path / "again").items():
+        assert torch.equal(
+            read_native(tmp_path / "again", key, info),
+            read_native(saved_dcp, key, layout[key]),
+        ), key
+
+    # Start a TP run from the in-training HF save, and one from its offline
+    # import: identical training.
+    era = convert.current_era()
+    args = um.model_args("llama3", "debugmodel", era)
+    config = get_adapter("llama3").hf_config(
+        args, era, um.native_layout("llama3", args, era)
+    )
+    (saved_hf / "config.json").write_text(json.dumps(config))
+    convert.from_hf(saved_hf, tmp_path / "imported", "llama3", progress=False)
+    load = ["--checkpoint.enable", "true", "--checkpoint.interval", "100"]
+    from_hf = train(
+        tmp_path / "c", *load, *TP,
+        "--checkpoint.initial_load_path", str(saved_hf),
+        "--checkpoint.initial_load_in_hf", "true", nproc=2, steps=2,
+    )  # fmt: skip
+    from_dcp = train(
+        tmp_path / "d", *load, *TP,
+        "--checkpoint.initial_load_path", str(tmp_path / "imported"), nproc=2, steps=2,
+    )  # fmt: skip
+    assert_bit_identical(from_hf, from_dcp)
+    # ...and both continue from the saved weights, not from a fresh init.
+    fresh = train(tmp_path / "e", *TP, nproc=2, steps=2)
+    assert (
+        from_hf["loss_metrics/global_avg_loss"] != fresh["loss_metrics/global_avg_loss"]
+    )

@@ -1,0 +1,98 @@
+"""The in-training bridge: an upstream ``StateDictAdapter`` (either era) made
+from a titan-npu mapping, for ``checkpoint.initial_load_in_hf`` and
+``checkpoint.last_save_in_hf``. The overlay registers it on the model specs.
+
+Training state dicts hold DTensors (FSDP2 / TP). Per-tensor transforms are
+view ops DTensor propagates; stacked experts are gathered to full tensors for
+the per-expert HF keys and re-sharded to their original placements on load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchtitan_npu.state_dict_adapters import get_adapter
+from torchtitan_npu.state_dict_adapters import upstream_models as um
+from torchtitan_npu.state_dict_adapters.mapping import ConversionError
+
+_CLASSES: dict[tuple[str, str], type] = {}
+
+
+def adapter_class(model: str, era: str) -> type:
+    """The upstream adapter class for `model` (cached: one class per model)."""
+    if (model, era) not in _CLASSES:
+        _CLASSES[model, era] = _make_class(model, era)
+    return _CLASSES[model, era]
+
+
+def _make_class(model: str, era: str) -> type:
+    from torch.distributed.tensor import DTensor, Replicate
+    from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+    spec = get_adapter(model)
+
+    class TitanNpuStateDictAdapter(StateDictAdapter):
+        def __init__(self, model_args: Any, hf_assets_path: str | None):
+            super().__init__(model_args, hf_assets_path)
+            self.model_args = model_args
+            layout = um.native_layout(model, model_args, era)
+            self.hf_config = spec.hf_config(model_args, era, layout)
+            self.keymap = spec.keymap(era, self.hf_config)
+            self.tied = bool(self.hf_config.get("tie_word_embeddings"))
+            self.placements: dict[str, tuple] = {}  # stacked DTensor -> layout
+            self.tied_keys: dict[str, str] = {}  # native tied -> native source
+
+        def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+            hf: dict[str, Any] = {}
+            for key, value in state_dict.items():
+                found = self.keymap.match_native(key)
+                if found is None:
+                    raise ConversionError(f"{model} to_hf", [f"no rule for {key!r}"])
+                rule, fields = found
+                if rule.tied_to and self.tied:
+                    source, _ = self.keymap.match_hf(rule.tied_to)
+                    self.tied_keys[key] = source.native
+                    continue
+                if not rule.stacked:
+                    hf[rule.hf.format(**fields)] = rule.transform.to_hf(value)
+                    continue
+                if isinstance(value, DTensor):
+                    self.placements[key] = (value.device_mesh, value.placements)
+                    value = value.full_tensor()
+                for expert, part in enumerate(value.unbind(0)):
+                    hf[rule.hf.format(expert=expert, **fields)] = part
+            return hf
+
+        def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+            native: dict[str, Any] = {}
+            experts: dict[str, dict[int, torch.Tensor]] = {}
+            for key, value in hf_state_dict.items():
+                found = self.keymap.match_hf(key)
+                if found is None:
+                    raise ConversionError(f"{model} from_hf", [f"no rule for {key!r}"])
+                rule, fields = found
+                if rule.native is None:
+                    continue
+                target = rule.native.format(**fields)
+                if rule.stacked:
+                    experts.setdefault(target, {})[int(fields["expert"])] = value
+                else:
+                    native[target] = rule.transform.from_hf(value)
+            for target, parts in experts.items():
+                stacked = torch.stack([parts[e] for e in sorted(parts)])
+                if target in self.placements:
+                    mesh, placements = self.placements[target]
+                    replicated = [Replicate()] * len(placements)
+                    stacked = DTensor.from_local(stacked, mesh, replicated)
+                    stacked = stacked.redistribute(mesh, placements)
+                native[target] = stacked
+            for tied, source in self.tied_keys.items():
+                if source in native:
+                    native[tied] = native[source]
+            return native
+
+    TitanNpuStateDictAdapter.__name__ = f"TitanNpu{model.title()}StateDictAdapter"
+    TitanNpuStateDictAdapter.__qualname__ = TitanNpuStateDictAdapter.__name__
+    return TitanNpuStateDictAdapter
