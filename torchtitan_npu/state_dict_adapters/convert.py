@@ -27,11 +27,7 @@ from torchtitan_npu.state_dict_adapters.mapping import (
     ConversionError,
     TensorInfo,
 )
-from torchtitan_npu.state_dict_adapters.native_io import (
-    native_layout,
-    read_native,
-    write_native,
-)
+from torchtitan_npu.state_dict_adapters.native_io import NativeCheckpoint, write_native
 from torchtitan_npu.state_dict_adapters.safetensors_io import (
     CONFIG,
     DTYPE_NAMES,
@@ -139,9 +135,11 @@ def to_hf(
     config.json that transformers' from_pretrained loads."""
     era = era or current_era()
     adapter = get_adapter(model)
-    stored = native_layout(checkpoint)
+    source = NativeCheckpoint(checkpoint)
     model_keys = {
-        k: v for k, v in stored.items() if not k.startswith(TRAINING_STATE_PREFIXES)
+        k: v
+        for k, v in source.layout.items()
+        if not k.startswith(TRAINING_STATE_PREFIXES)
     }
     if args is None:
         flavor, args = _flavor_for_native(model, flavor, model_keys, era)
@@ -172,7 +170,7 @@ def to_hf(
     with atomic_dir(out) as tmp:
         writer = ShardedWriter(tmp, plan, limit)
         for g in groups:
-            tensor = read_native(checkpoint, g.native, g.native_info)
+            tensor = source.read(g.native)
             for key, part in zip(g.hf, g.to_hf(tensor)):
                 part = part.to(out_dtype) if part.is_floating_point() else part
                 writer.write(key, part)

@@ -6,6 +6,7 @@ each tensor when DCP asks for it, so a conversion never holds the model.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -19,30 +20,42 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchtitan_npu.state_dict_adapters.mapping import ConversionError, TensorInfo
 
 
-def native_layout(path: str | Path) -> dict[str, TensorInfo]:
-    """Every tensor a DCP checkpoint holds (model and training state)."""
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise ConversionError(
-            f"native checkpoint {path}", ["no DCP .metadata (not a DCP checkpoint)"]
-        )
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # a corrupt pickle raises anything
-        raise ConversionError(f"native checkpoint {path}", [f".metadata: {e}"]) from e
-    return {
-        key: TensorInfo(tuple(m.size), m.properties.dtype)
-        for key, m in metadata.state_dict_metadata.items()
-        if isinstance(m, TensorStorageMetadata)
-    }
+class NativeCheckpoint:
+    """A DCP checkpoint read one tensor at a time (metadata read once)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not (self.path / ".metadata").is_file():
+            raise ConversionError(
+                f"native checkpoint {path}", ["no DCP .metadata (not a DCP checkpoint)"]
+            )
+        self._reader = _CachedMetadataReader(str(self.path))
+        try:
+            metadata = self._reader.read_metadata()
+        except Exception as e:  # a corrupt pickle raises anything
+            raise ConversionError(
+                f"native checkpoint {path}", [f".metadata: {e}"]
+            ) from e
+        self.layout = {
+            key: TensorInfo(tuple(m.size), m.properties.dtype)
+            for key, m in metadata.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)
+        }
+
+    def read(self, key: str) -> torch.Tensor:
+        info = self.layout[key]
+        tensor = torch.empty(info.shape, dtype=info.dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "no process group": a single reader
+            dcp.load({key: tensor}, storage_reader=self._reader)
+        return tensor
 
 
-def read_native(path: str | Path, key: str, info: TensorInfo) -> torch.Tensor:
-    tensor = torch.empty(info.shape, dtype=info.dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "no process group": a single reader
-        dcp.load({key: tensor}, storage_reader=FileSystemReader(str(path)))
-    return tensor
+class _CachedMetadataReader(FileSystemReader):
+    def read_metadata(self):
+        if not hasattr(self, "_metadata"):
+            self._metadata = super().read_metadata()
+        return self._metadata
 
 
 class _StreamingPlanner(DefaultSavePlanner):
@@ -61,7 +74,23 @@ def write_native(
     planned = {
         k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in layout.items()
     }
-    writer = FileSystemWriter(str(path), single_file_per_rank=True, thread_count=1)
-    with warnings.catch_warnings():
+    # One file per tensor: DCP keeps every tensor of a file alive until the
+    # file is closed, so one file per rank would hold the whole model.
+    writer = FileSystemWriter(str(path), single_file_per_rank=False, sync_files=False)
+    with warnings.catch_warnings(), _no_crc32():
         warnings.simplefilter("ignore")
         dcp.save(planned, storage_writer=writer, planner=_StreamingPlanner(make))
+
+
+@contextlib.contextmanager
+def _no_crc32():
+    """torch.save without zip CRC32s (documented switch; loads are unaffected):
+    checksumming is most of the CPU cost of writing."""
+    from torch.utils.serialization import config as serialization
+
+    config = serialization.save
+    old, config.compute_crc32 = config.compute_crc32, False
+    try:
+        yield
+    finally:
+        config.compute_crc32 = old

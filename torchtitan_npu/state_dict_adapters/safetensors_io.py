@@ -8,6 +8,7 @@ are appended one by one, so memory holds one tensor group at a time.
 from __future__ import annotations
 
 import json
+import mmap
 import re
 import struct
 from pathlib import Path
@@ -91,17 +92,41 @@ class HFCheckpoint:
             ]
         if problems:
             raise ConversionError(f"HF checkpoint {self.path}", problems)
-        self._handles: dict[Path, object] = {}
+        self._headers: dict[Path, tuple[int, dict]] = {}
 
     def read(self, key: str) -> torch.Tensor:
+        """One tensor, zero-copy: a private mapping of just its bytes, unmapped
+        when the tensor is freed (so RSS holds only live tensors)."""
         file = self.files[key]
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
-        return self._handles[file].get_tensor(key)
+        if file not in self._headers:
+            self._headers[file] = _header(file)
+        base, header = self._headers[file]
+        begin, end = header[key]["data_offsets"]
+        info = self.infos[key]
+        if end == begin:
+            return torch.empty(info.shape, dtype=info.dtype)
+        start = base + begin
+        aligned = start - start % mmap.ALLOCATIONGRANULARITY
+        with open(file, "rb") as f:
+            mapped = mmap.mmap(
+                f.fileno(), start - aligned + end - begin, offset=aligned,
+                access=mmap.ACCESS_COPY,
+            )  # fmt: skip
+        data = torch.frombuffer(
+            mapped, dtype=torch.uint8, count=end - begin, offset=start - aligned
+        )
+        return data.view(info.dtype).reshape(info.shape)
 
     @property
     def nbytes(self) -> int:
         return sum(i.nbytes for i in self.infos.values())
+
+
+def _header(file: Path) -> tuple[int, dict]:
+    """(data start offset, header) of a safetensors file (validated at open)."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return 8 + size, json.loads(f.read(size))
 
 
 def _read_json(path: Path, problems: list[str], *, required: bool):
