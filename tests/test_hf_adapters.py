@@ -3,6 +3,8 @@ and bad inputs (CPU, tiny random models, no download)."""
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -287,3 +289,31 @@ def test_flavor_inferred_from_config_json(llama_hf, tmp_path):
     assert result.flavor in um.flavors("llama3", ERA)
     hf = HFCheckpoint(llama_hf)
     assert result.nbytes == hf.nbytes
+
+
+def test_cli_convert(llama_hf, tmp_path):
+    command = [sys.executable, "-m", "torchtitan_npu.cli", "convert"]
+    bad = subprocess.run(
+        [*command, "from-hf", str(tmp_path / "nowhere"), str(tmp_path / "x"),
+         "--model", "llama3"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("titan-npu: error: HF checkpoint")
+    assert "Traceback" not in bad.stderr
+    good = subprocess.run(
+        [*command, "from-hf", str(llama_hf), str(tmp_path / "dcp"), "--model",
+         "llama3"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert "llama3 debugmodel" in good.stdout and "from-hf [" in good.stderr
+    hf = subprocess.run(
+        [*command, "to-hf", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--model",
+         "llama3", "--dtype", "bf16", "--tokenizer", str(llama_hf)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert hf.returncode == 0, hf.stderr[-2000:]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16"
+    assert (tmp_path / "hf" / "generation_config.json").exists()  # --tokenizer
