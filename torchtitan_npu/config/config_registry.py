@@ -36,11 +36,17 @@ _OPTIMIZER_KWARGS = {"lr", "eps", "weight_decay"}
 def base_config(name: str, flavor: str):
     """Upstream's (or an injected model's) config function for name + flavor."""
     for package in ("torchtitan.models", "torchtitan_npu.models"):
+        module = f"{package}.{name}.config_registry"
         try:
-            registry = importlib.import_module(f"{package}.{name}.config_registry")
-        except ImportError:
+            registry = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if not module.startswith(f"{e.name}."):  # a real import bug
+                raise
             continue
-        function = getattr(registry, f"{name}_{flavor}", None)
+        # upstream spells flavor "0.6B" as function qwen3_0_6b
+        function = getattr(registry, f"{name}_{flavor}", None) or getattr(
+            registry, f"{name}_{flavor}".replace(".", "_").lower(), None
+        )
         if function is None:
             available = sorted(
                 n.removeprefix(f"{name}_")

@@ -106,4 +106,29 @@ HF_ADAPTERS = Patch(
     apply=_apply_hf_adapters,
 )
 
-PATCHES = [EAGER_FLEX_ATTENTION, FLEX_MASK_DEVICE, HF_ADAPTERS]
+
+def _apply_qwen2(target: Target, ctx: PatchContext) -> list[Change]:
+    from torchtitan_npu.models.qwen2.trainspec import train_spec
+
+    # What register_train_spec("qwen2", spec) does, on a copy of the registry
+    # so that reverting the overlay unregisters it.
+    specs = dict(target.owner._extra_train_specs)
+    if "qwen2" in specs:
+        raise ValueError("TrainSpec qwen2 is already registered.")
+    specs["qwen2"] = train_spec()
+    return [Change(target.owner, "_extra_train_specs", specs)]
+
+
+QWEN2_MODEL = Patch(
+    name="qwen2_model",
+    target="torchtitan.protocols.train_spec:register_train_spec",
+    kind="inject",
+    reason=(
+        "registers titan-npu's Qwen2 model (torchtitan_npu.models.qwen2) as "
+        "train spec 'qwen2'."
+    ),
+    eras=("trainspec",),
+    apply=_apply_qwen2,
+)
+
+PATCHES = [EAGER_FLEX_ATTENTION, FLEX_MASK_DEVICE, HF_ADAPTERS, QWEN2_MODEL]

@@ -1,7 +1,7 @@
 """HF <-> native state dicts: declarative mappings per model, offline
 conversion (`titan-npu convert`) and upstream's in-training adapter hook."""
 
-from torchtitan_npu.state_dict_adapters import deepseek_v3, llama3, qwen3
+from torchtitan_npu.state_dict_adapters import deepseek_v3, llama3, qwen2, qwen3
 from torchtitan_npu.state_dict_adapters.mapping import (
     ConversionError,
     KeyMap,
@@ -11,7 +11,8 @@ from torchtitan_npu.state_dict_adapters.mapping import (
 )
 
 ADAPTERS: dict[str, ModelAdapter] = {
-    a.name: a for a in (llama3.ADAPTER, qwen3.ADAPTER, deepseek_v3.ADAPTER)
+    a.name: a
+    for a in (llama3.ADAPTER, qwen3.ADAPTER, deepseek_v3.ADAPTER, qwen2.ADAPTER)
 }
 
 

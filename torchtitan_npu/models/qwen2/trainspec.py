@@ -1,0 +1,52 @@
+"""Qwen2 on the TrainSpec era (torchtitan 0.2.x): model args, parallelize
+function and TrainSpec. The overlay registers it (`register_train_spec`)."""
+
+import dataclasses
+from dataclasses import dataclass
+
+from torchtitan.protocols.model import BaseModelArgs
+
+from torchtitan_npu.models.qwen2.args import FLAVORS, Qwen2ModelArgs
+from torchtitan_npu.models.qwen2.model import Qwen2Model
+from torchtitan_npu.models.qwen2.parallelize import parallelize_qwen2, plan_for
+
+
+@dataclass
+class Qwen2Args(Qwen2ModelArgs, BaseModelArgs):
+    def update_from_config(self, job_config, **kwargs) -> None:
+        self.max_seq_len = max(self.max_seq_len, job_config.training.seq_len)
+
+    def get_nparams_and_flops(self, model, seq_len: int) -> tuple[int, int]:
+        return self.nparams_and_flops(model, seq_len)
+
+
+def parallelize(model: Qwen2Model, parallel_dims, job_config) -> Qwen2Model:
+    compile_config = job_config.compile
+    plan = plan_for(
+        parallel_dims,
+        loss_parallel=not job_config.parallelism.disable_loss_parallel,
+        ac_mode=job_config.activation_checkpoint.mode,
+        compile=compile_config.enable and "model" in compile_config.components,
+        training=job_config.training,
+        parallelism=job_config.parallelism,
+    )
+    return parallelize_qwen2(model, plan)
+
+
+def train_spec():
+    """llama3's TrainSpec with the Qwen2 model: the same optimizer, scheduler,
+    dataloader, tokenizer, loss, validator and pipeline builders."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan_npu.state_dict_adapters.upstream_adapter import adapter_class
+
+    return dataclasses.replace(
+        get_train_spec("llama3"),
+        model_cls=Qwen2Model,
+        model_args={
+            name: Qwen2Args(**dataclasses.asdict(args))
+            for name, args in FLAVORS.items()
+        },
+        parallelize_fn=parallelize,
+        state_dict_adapter=adapter_class("qwen2", "trainspec"),
+    )
