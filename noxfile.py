@@ -101,7 +101,10 @@ def matrix(session):
 
 # CI's share of the matrix (the full one takes ~30 min here): every layout on
 # the default upstream, and the core layouts on the newest of the other era.
-CI_MATRIX = {DEFAULT: "all", "0.2.2": "single,ddp,fsdp,tp,pp_1f1b,cp"}
+CI_MATRIX = {
+    DEFAULT: "all",
+    "0.2.2": "single,ddp,fsdp,tp,pp_1f1b,cp,qwen2_single,qwen2_fsdp,qwen2_pp_1f1b",
+}
 
 
 @nox.session(venv_backend="none")

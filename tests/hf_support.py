@@ -11,17 +11,17 @@ import transformers
 from torchtitan_npu.state_dict_adapters import get_adapter
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 
-MODELS = ["llama3", "qwen3", "deepseek_v3"]
+MODELS = ["llama3", "qwen3", "deepseek_v3", "qwen2"]
 FLAVOR = "debugmodel"
 
 
-def model_args(model: str, era: str):
+def model_args(model: str, era: str, flavor: str = FLAVOR):
     """The debug flavor, made HF-expressible where upstream's differs.
 
     HF DeepseekV3 routes with normalized sigmoid scores and uses eps 1e-6 in
     its MLA norms; upstream's debug flavor uses softmax and eps 1e-5.
     """
-    args = copy.deepcopy(um.model_args(model, FLAVOR, era))
+    args = copy.deepcopy(um.model_args(model, flavor, era))
     if model != "deepseek_v3":
         return args
     if era == "trainspec":
@@ -94,6 +94,8 @@ def save_native(module: torch.nn.Module, checkpoint: Path) -> None:
 def native_logits(module: torch.nn.Module, tokens: torch.Tensor, era: str):
     with torch.no_grad():
         if era == "trainspec":
+            return module(tokens)
+        if not hasattr(module, "get_attention_masks"):  # titan-npu's qwen2
             return module(tokens)
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         return module(tokens, attention_masks=module.get_attention_masks(positions))

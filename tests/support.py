@@ -61,3 +61,18 @@ def requires_era(era: str):
         resolve_upstream().era != era,
         reason=f"installed upstream is not of era {era}; `nox -s upstream` runs it",
     )
+
+
+def newest_of_its_era() -> bool:
+    """Is the installed upstream the newest locked entry of its era?"""
+    from torchtitan_npu.compat.lock import read_lock
+
+    installed = resolve_upstream()
+    same_era = [e for e in read_lock() if e.era == installed.era]
+    newest = max(same_era, key=lambda e: tuple(int(p) for p in e.version.split(".")))
+    return installed.installed.version == newest.version
+
+
+def requires_newest_of_era(why: str):
+    """Run a slow test once per era (CI time); older entries share its code path."""
+    return pytest.mark.skipif(not newest_of_its_era(), reason=why)

@@ -317,3 +317,20 @@ def test_cli_convert(llama_hf, tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16"
     assert (tmp_path / "hf" / "generation_config.json").exists()  # --tokenizer
+
+
+def test_qwen2_tied_flavor_round_trip(tmp_path):
+    """The small Qwen2.5 models tie embeddings: HF omits lm_head; import
+    re-ties it, export leaves it out again."""
+    args = model_args("qwen2", ERA, "debugmodel_tied")
+    hf = hf_model("qwen2", args, ERA)
+    path = save_hf(hf, tmp_path / "hf")
+    assert "lm_head.weight" not in json.loads((path / INDEX).read_text())["weight_map"]
+    convert.from_hf(path, tmp_path / "native", "qwen2", args=args, progress=False)
+    native = native_model("qwen2", args, ERA, seed=3)
+    load_native(native, tmp_path / "native")
+    torch.testing.assert_close(
+        native_logits(native, TOKENS, ERA), hf_logits(hf, TOKENS), atol=1e-4, rtol=1e-4
+    )
+    convert.to_hf(tmp_path / "native", tmp_path / "back", "qwen2", args=args)
+    assert read_all(tmp_path / "back").keys() == read_all(path).keys()

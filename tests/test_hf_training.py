@@ -6,13 +6,19 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import assert_bit_identical, train
+from support import assert_bit_identical, requires_newest_of_era, train
 
 from torchtitan_npu.state_dict_adapters import convert, get_adapter
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 from torchtitan_npu.state_dict_adapters.native_io import NativeCheckpoint
 
-pytestmark = pytest.mark.e2e
+pytestmark = [
+    pytest.mark.e2e,
+    requires_newest_of_era(
+        "in-training HF runs once per era: older locked entries of the era reach "
+        "the same adapter through the same patch (their offline tests still run)"
+    ),
+]
 
 SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
 SAVE += ["--checkpoint.last_save_model_only", "true"]

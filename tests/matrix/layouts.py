@@ -31,6 +31,10 @@ class Layout:
     # per-era overrides (e.g. a flex-attention flavor on 0.2.x for CP)
     era_overrides: dict[str, dict[str, object]] = field(default_factory=dict)
 
+    @property
+    def model(self) -> str:
+        return str(self.overrides.get("model.name", "llama3"))
+
     def why_unsupported(self, *, version: str, era: str) -> str | None:
         return self.unsupported.get(version) or self.unsupported.get(era)
 
@@ -77,7 +81,7 @@ def _pipeline(schedule: str, *, dp_shard: int = 1) -> dict:
 
 
 # Settings that change what is computed, not how it is parallelized.
-REFERENCE_KEYS = ("training.seq_len", "model.flavor")
+REFERENCE_KEYS = ("training.seq_len", "model.name", "model.flavor")
 
 _CP_NEEDS_FLEX = "CP on CPU needs FlexAttention (SDPA has no CPU sharding strategy)"
 
@@ -126,6 +130,28 @@ LAYOUTS = [
         "fsdp_ac_selective",
         2,
         {**_degrees(dp_shard=2), "activation_checkpoint.mode": "selective"},
+    ),
+]
+
+# titan-npu's injected Qwen2 (models/qwen2): the same checks, its own seed
+# checkpoint and single-device reference.
+_QWEN2 = {"model.name": "qwen2", "model.flavor": "debugmodel"}
+_QWEN2_PP = _pipeline("1F1B")
+LAYOUTS += [
+    Layout("qwen2_single", 1, {**_degrees(), **_QWEN2}),
+    Layout("qwen2_fsdp", 2, {**_degrees(dp_shard=2), **_QWEN2}),
+    Layout("qwen2_tp", 2, {**_degrees(tp=2), **_QWEN2}),
+    Layout("qwen2_fsdp_tp", 4, {**_degrees(dp_shard=2, tp=2), **_QWEN2}),
+    Layout(
+        "qwen2_pp_1f1b",
+        2,
+        {**_QWEN2_PP["overrides"], **_QWEN2},
+        known_issues=_QWEN2_PP["known_issues"],
+    ),
+    Layout(
+        "qwen2_fsdp_ac_selective",
+        2,
+        {**_degrees(dp_shard=2), **_QWEN2, "activation_checkpoint.mode": "selective"},
     ),
 ]
 

@@ -52,22 +52,31 @@ def common_args(matrix_data, seed_dump) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def seed_dump(workdir, matrix_data, launcher):
-    """One single-process seed checkpoint (step-0) every layout starts from."""
-    dump = workdir / "seed"
-    args = [
-        *SMALL_RUN,
-        "--checkpoint.enable", "true",
-        "--checkpoint.create_seed_checkpoint", "true",
-        "--parallelism.data_parallel_shard_degree", "1",
-        "--training.steps", "1",
-    ]  # fmt: skip
-    launcher.train(dump, args, nproc=1, scalars=False)
-    return dump
+def seeds(workdir, matrix_data, launcher):
+    """seed_for(model): one single-process seed checkpoint (step-0) per
+    model, which every layout of that model starts from."""
+    cache = {}
+
+    def seed_for(model: str):
+        if model not in cache:
+            dump = workdir / ("seed" if model == "llama3" else f"seed-{model}")
+            args = [
+                *SMALL_RUN,
+                "--model.name", model, "--model.flavor", "debugmodel",
+                "--checkpoint.enable", "true",
+                "--checkpoint.create_seed_checkpoint", "true",
+                "--parallelism.data_parallel_shard_degree", "1",
+                "--training.steps", "1",
+            ]  # fmt: skip
+            launcher.train(dump, args, nproc=1, scalars=False)
+            cache[model] = dump
+        return cache[model]
+
+    return seed_for
 
 
 @pytest.fixture(scope="session")
-def references(workdir, matrix_data, seed_dump, upstream, launcher):
+def references(workdir, matrix_data, seeds, upstream, launcher):
     """Single-device runs to compare with, one per distinct data/model setting."""
     from layouts import BY_NAME
 
@@ -79,7 +88,7 @@ def references(workdir, matrix_data, seed_dump, upstream, launcher):
             dump = workdir / f"single-run1{'-'.join(['', *shared[1::2]])}"
             args = [
                 *BY_NAME["single"].args(upstream.era),
-                *common_args(matrix_data, seed_dump),
+                *common_args(matrix_data, seeds(layout.model)),
                 *shared,
             ]
             start = time.perf_counter()
@@ -91,7 +100,7 @@ def references(workdir, matrix_data, seed_dump, upstream, launcher):
 
 
 def test_cell(
-    layout, upstream, workdir, matrix_data, seed_dump, references, results, launcher
+    layout, upstream, workdir, matrix_data, seeds, references, results, launcher
 ):
     version, era = upstream.installed.version, upstream.era
     cell = {"upstream": version, "era": era, "layout": layout.name}
@@ -103,10 +112,11 @@ def test_cell(
         pytest.skip(f"{layout.name} on torchtitan {version}: {reason}")
 
     cell.update(status="fail", reason="a launch failed")  # until checks finish
-    args = [*common_args(matrix_data, seed_dump), *layout.args(era)]  # layout wins
+    seed = seeds(layout.model)
+    args = [*common_args(matrix_data, seed), *layout.args(era)]  # layout wins
     start = time.perf_counter()
     ref_dump, ref, ref_seconds = references(layout)
-    if layout.name == "single":
+    if layout.name in ("single", "qwen2_single"):
         first_dump, first = ref_dump, ref
     else:
         first_dump = workdir / f"{layout.name}-run1"
@@ -116,7 +126,7 @@ def test_cell(
     copy_checkpoint(first_dump, CHECKPOINT_STEP, resumed_dump)
     resumed = launcher.train(resumed_dump, args, nproc=layout.nproc)
     # A reference run is charged to the cell that needed it first.
-    own_reference = layout.name == "single" or layout.reference_args(era)
+    own_reference = layout.name.endswith("single") or layout.reference_args(era)
     seconds = time.perf_counter() - start + (ref_seconds if own_reference else 0)
 
     after_k = list(range(CHECKPOINT_STEP + 1, STEPS + 1))

@@ -72,6 +72,7 @@ def parallelize(
         compile=compile_config.enable and "model" in compile_config.components,
         training=training,
         parallelism=parallelism,
+        sum_gradients=True,  # 0.3.x normalizes the loss by global tokens
     )
     if skip_dp:
         plan.dp_mesh = None

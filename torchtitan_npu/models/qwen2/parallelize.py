@@ -13,7 +13,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -40,6 +40,9 @@ class Plan:
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
     reshard_after_forward: bool = True
+    # 1.0 where the trainer normalizes the loss by the global token count
+    # (0.2.2+): gradients are then summed over dp ranks, not averaged.
+    gradient_divide_factor: float | None = None
 
 
 def _mesh(parallel_dims, names: list[str]):
@@ -51,7 +54,16 @@ def _mesh(parallel_dims, names: list[str]):
     return parallel_dims.world_mesh[tuple(names) if len(names) > 1 else names[0]]
 
 
-def plan_for(parallel_dims, *, loss_parallel, ac_mode, compile, training, parallelism):
+def plan_for(
+    parallel_dims,
+    *,
+    loss_parallel,
+    ac_mode,
+    compile,
+    training,
+    parallelism,
+    sum_gradients,
+):
     """A `Plan` from either era's parallel dims and config sections."""
     from torchtitan.config import TORCH_DTYPE_MAP
 
@@ -65,6 +77,7 @@ def plan_for(parallel_dims, *, loss_parallel, ac_mode, compile, training, parall
         param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
         reshard_after_forward=parallelism.fsdp_reshard_after_forward != "never",
+        gradient_divide_factor=1.0 if sum_gradients else None,
     )
     if parallel_dims.tp_enabled:
         plan.tp_mesh = _mesh(parallel_dims, ["tp"])
@@ -113,9 +126,9 @@ def apply_tp(model: Qwen2Model, mesh: DeviceMesh, loss_parallel: bool) -> None:
             mesh,
             {
                 "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), Replicate()),
-                    desired_input_layouts=(Replicate(), Replicate()),
+                "attention": PrepareModuleInput(  # rope cache: left as is
+                    input_layouts=(Shard(1), None),
+                    desired_input_layouts=(Replicate(), None),
                 ),
                 "attention.wq": ColwiseParallel(),
                 "attention.wk": ColwiseParallel(),
@@ -172,3 +185,7 @@ def apply_fsdp(model: Qwen2Model, plan: Plan) -> None:
         last = i == len(blocks) - 1
         shard(block, reshard_after_forward=plan.reshard_after_forward and not last)
     shard(model)
+    if plan.gradient_divide_factor is not None:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(plan.gradient_divide_factor)

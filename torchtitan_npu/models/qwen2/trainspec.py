@@ -29,8 +29,17 @@ def parallelize(model: Qwen2Model, parallel_dims, job_config) -> Qwen2Model:
         compile=compile_config.enable and "model" in compile_config.components,
         training=job_config.training,
         parallelism=job_config.parallelism,
+        sum_gradients=_loss_is_global_token_mean(),
     )
     return parallelize_qwen2(model, plan)
+
+
+def _loss_is_global_token_mean() -> bool:
+    """0.2.2 normalizes the loss by the global token count and has upstream's
+    FSDP sum gradients (disable_fsdp_gradient_division); 0.2.0/0.2.1 average."""
+    from torchtitan.models.llama3.infra import parallelize as llama3
+
+    return hasattr(llama3, "disable_fsdp_gradient_division")
 
 
 def train_spec():

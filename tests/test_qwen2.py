@@ -1,0 +1,80 @@
+"""titan-npu's Qwen2: the real Qwen2.5 shapes, registration on this era, and
+the model's single-device semantics (no download; training is in the matrix)."""
+
+import pytest
+import torch
+
+from torchtitan_npu.bootstrap import activate, deactivate
+from torchtitan_npu.compat import resolve_upstream
+from torchtitan_npu.models.qwen2 import FLAVORS
+from torchtitan_npu.models.qwen2.model import Qwen2Model
+from torchtitan_npu.state_dict_adapters import upstream_models as um
+
+ERA = resolve_upstream().era
+
+# Parameter counts of Qwen/Qwen2.5-{0.5B,1.5B,7B} (tied embeddings counted once).
+HF_PARAMS = {"0.5B": 494_032_768, "1.5B": 1_543_714_304, "7B": 7_615_616_512}
+
+
+@pytest.mark.parametrize("flavor", HF_PARAMS)
+def test_flavors_have_the_real_qwen2_5_shapes(flavor):
+    with torch.device("meta"):
+        model = Qwen2Model(FLAVORS[flavor])
+    assert sum(p.numel() for p in model.parameters()) == HF_PARAMS[flavor]
+    nparams, flops = FLAVORS[flavor].nparams_and_flops(model, seq_len=4096)
+    assert nparams == HF_PARAMS[flavor] and flops > 6 * (nparams // 2)
+
+
+def test_registered_through_the_overlay_on_this_era():
+    activate()
+    try:
+        if ERA == "trainspec":
+            from torchtitan.protocols.train_spec import get_train_spec
+
+            spec = get_train_spec("qwen2")
+            assert spec.model_cls is Qwen2Model
+            assert set(spec.model_args) == set(FLAVORS)
+        else:
+            from torchtitan_npu.config.config_registry import base_config
+
+            config = base_config("qwen2", "0.5B")
+            assert config.model_spec.name == "qwen2"
+            assert config.model_spec.model.args == FLAVORS["0.5B"]
+        adapter = (spec if ERA == "trainspec" else config.model_spec).state_dict_adapter
+        assert adapter.__name__ == "TitanNpuQwen2StateDictAdapter"
+    finally:
+        deactivate()
+    if ERA == "trainspec":  # reverting the overlay unregisters it
+        from torchtitan.protocols.train_spec import _extra_train_specs
+
+        assert "qwen2" not in _extra_train_specs
+
+
+def test_pipeline_stage_semantics():
+    """ModuleDict layers keep FQNs when a stage drops modules; absent input /
+    output modules pass hidden states through."""
+    args = FLAVORS["debugmodel"]
+    torch.manual_seed(0)
+    full = Qwen2Model(args)
+    full.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    first, last = Qwen2Model(args), Qwen2Model(args)
+    first.load_state_dict(full.state_dict())
+    last.load_state_dict(full.state_dict())
+    for name in ("2", "3"):
+        del first.layers[name]
+    for name in ("0", "1"):
+        del last.layers[name]
+    first.norm = first.output = last.tok_embeddings = None
+    assert [k for k in last.state_dict() if k.startswith("layers.")][0].startswith(
+        "layers.2."
+    )
+    torch.testing.assert_close(last(first(tokens)), full(tokens), rtol=0, atol=0)
+
+
+def test_flavor_table_is_what_the_converter_sees():
+    activate()
+    try:
+        assert set(um.flavors("qwen2", ERA)) == set(FLAVORS)
+    finally:
+        deactivate()
