@@ -24,6 +24,7 @@ from hf_support import (
 )
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from support import requires_newest_of_era
 
 from torchtitan_npu.bootstrap import activate, deactivate
 from torchtitan_npu.state_dict_adapters import ConversionError, convert, get_adapter
@@ -291,6 +292,7 @@ def test_flavor_inferred_from_config_json(llama_hf, tmp_path):
     assert result.nbytes == hf.nbytes
 
 
+@requires_newest_of_era("CLI wiring is era-independent; run once per era (CI time)")
 def test_cli_convert(llama_hf, tmp_path):
     command = [sys.executable, "-m", "torchtitan_npu.cli", "convert"]
     bad = subprocess.run(
