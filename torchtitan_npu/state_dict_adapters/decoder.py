@@ -127,7 +127,6 @@ def base_hf_config(
     model_type: str,
     facts: Attention,
     layout: Mapping[str, TensorInfo],
-    era: str,
 ) -> dict[str, Any]:
     """The config.json fields every HF decoder shares."""
     vocab, dim = layout["tok_embeddings.weight"].shape

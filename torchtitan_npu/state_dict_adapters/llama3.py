@@ -21,7 +21,7 @@ def rules(era, hf_config):
 
 def hf_config(args, era, layout):
     facts = attention_facts(args, era)
-    config = base_hf_config("LlamaForCausalLM", "llama", facts, layout, era)
+    config = base_hf_config("LlamaForCausalLM", "llama", facts, layout)
     config.update(attention_bias=False, mlp_bias=False)
     config["rope_scaling"] = _rope_scaling(facts.rope, era)
     return config

@@ -17,7 +17,7 @@ def rules(era, hf_config):
 
 def hf_config(args, era, layout):
     facts = attention_facts(args, era)
-    config = base_hf_config("Qwen3ForCausalLM", "qwen3", facts, layout, era)
+    config = base_hf_config("Qwen3ForCausalLM", "qwen3", facts, layout)
     config.update(attention_bias=False, rope_scaling=None)
     return config
 
