@@ -6,8 +6,13 @@ each tensor when DCP asks for it, so a conversion never holds the model.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import io
+import pickle
+import struct
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from torchtitan_npu.state_dict_adapters.mapping import ConversionError, TensorInfo
 
@@ -43,12 +48,132 @@ class NativeCheckpoint:
         }
 
     def read(self, key: str) -> torch.Tensor:
+        """One tensor: its records read straight into place when they are
+        plain torch.save tensors (RSS: the tensor once), else via dcp.load."""
         info = self.layout[key]
         tensor = torch.empty(info.shape, dtype=info.dtype)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "no process group": a single reader
-            dcp.load({key: tensor}, storage_reader=self._reader)
+        try:
+            self._read_records(key, tensor)
+        except _NotPlain:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "no process group": one reader
+                dcp.load({key: tensor}, storage_reader=self._reader)
         return tensor
+
+    def _read_records(self, key: str, tensor: torch.Tensor) -> None:
+        metadata = self._reader.read_metadata()
+        flat = tensor.view(-1).view(torch.uint8)
+        row = tensor[0].numel() if tensor.dim() else 1
+        for chunk in metadata.state_dict_metadata[key].chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if tensor.dim() and (
+                any(offsets[1:]) or sizes[1:] != tuple(tensor.shape[1:])
+            ):
+                raise _NotPlain  # not a contiguous run of rows
+            start = (offsets[0] if offsets else 0) * row * tensor.element_size()
+            nbytes = tensor.element_size()
+            for d in sizes:
+                nbytes *= d
+            where = metadata.storage_data[MetadataIndex(key, torch.Size(offsets))]
+            if where.transform_descriptors:
+                raise _NotPlain
+            _read_record(
+                self.path / where.relative_path,
+                where.offset,
+                where.length,
+                sizes,
+                flat[start : start + nbytes],
+            )
+
+
+class _NotPlain(Exception):
+    """A DCP record the direct reader does not handle (dcp.load does)."""
+
+
+def _read_record(path: Path, offset: int, length: int, sizes, out: torch.Tensor):
+    """Read the data of a torch.save'd contiguous tensor stored at
+    path[offset:offset+length] (a zip archive) into the uint8 tensor `out`."""
+    with open(path, "rb") as f:
+        try:
+            archive = zipfile.ZipFile(_Slice(f, offset, length))
+            names = archive.namelist()
+            prefix = names[0].split("/")[0] + "/"
+            if archive.read(prefix + "byteorder") != b"little":
+                raise _NotPlain
+            storage, storage_offset, size, stride = _TensorPickle(
+                io.BytesIO(archive.read(prefix + "data.pkl"))
+            ).load()
+            info = archive.getinfo(prefix + "data/" + storage)
+        except (pickle.UnpicklingError, KeyError, zipfile.BadZipFile, TypeError) as e:
+            raise _NotPlain from e
+        contiguous = [1] * len(size)
+        for i in range(len(size) - 2, -1, -1):
+            contiguous[i] = contiguous[i + 1] * size[i + 1]
+        if (
+            storage_offset != 0
+            or tuple(size) != tuple(sizes)
+            or list(stride) != contiguous
+            or info.compress_type != zipfile.ZIP_STORED
+            or info.file_size != out.numel()
+        ):
+            raise _NotPlain
+        f.seek(offset + info.header_offset)
+        header = f.read(30)
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        f.seek(offset + info.header_offset + 30 + name_len + extra_len)
+        if f.readinto(memoryview(out.numpy())) != out.numel():
+            raise _NotPlain
+
+
+class _Slice(io.RawIOBase):
+    """A read-only, seekable window [offset, offset + length) of a file."""
+
+    def __init__(self, f, offset: int, length: int):
+        self._f, self._offset, self._length, self._pos = f, offset, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self._pos
+
+    def seek(self, pos, whence=io.SEEK_SET):
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}
+        self._pos = base[whence] + pos
+        return self._pos
+
+    def read(self, n=-1):
+        n = self._length - self._pos if n is None or n < 0 else n
+        n = max(0, min(n, self._length - self._pos))
+        self._f.seek(self._offset + self._pos)
+        data = self._f.read(n)
+        self._pos += len(data)
+        return data
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Reads a torch.save data.pkl of one plain tensor without its data:
+    -> (storage key, storage offset, size, stride). Anything else is refused."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: (
+                storage,
+                offset,
+                size,
+                stride,
+            )
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return name
+        raise pickle.UnpicklingError(f"not a plain tensor: {module}.{name}")
+
+    def persistent_load(self, pid):
+        return pid[2]  # ('storage', type, key, location, numel)
 
 
 class _CachedMetadataReader(FileSystemReader):
