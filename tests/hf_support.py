@@ -41,8 +41,9 @@ def model_args(model: str, era: str, flavor: str = FLAVOR):
 
 
 def hf_model(model: str, args, era: str, seed: int = 0) -> torch.nn.Module:
-    layout = um.native_layout(model, args, era)
+    layout, tied = um.describe(model, args, era)
     fields = get_adapter(model).hf_config(args, era, layout)
+    fields["tie_word_embeddings"] = tied
     fields.pop("titan_npu_warning", None)
     architecture = fields.pop("architectures")[0]
     config = transformers.AutoConfig.for_model(**fields)

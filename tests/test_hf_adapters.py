@@ -147,10 +147,9 @@ def test_rules_cover_every_key_once(model):
     nothing produced twice, experts in numeric order."""
     adapter = get_adapter(model)
     args = model_args(model, ERA)
-    layout = um.native_layout(model, args, ERA)
-    config = adapter.hf_config(args, ERA, layout)
-    keymap = adapter.keymap(ERA, config)
-    to_hf = keymap.plan_to_hf(layout, tied=config["tie_word_embeddings"])
+    layout, tied = um.describe(model, args, ERA)
+    keymap = adapter.keymap(ERA, adapter.hf_config(args, ERA, layout))
+    to_hf = keymap.plan_to_hf(layout, tied=tied)
     hf = {k: i for g in to_hf for k, i in zip(g.hf, g.hf_infos)}
     assert len(hf) == sum(len(g.hf) for g in to_hf)
     back = keymap.plan_from_hf(hf, expected=layout)

@@ -86,8 +86,9 @@ def from_hf(
         raise ConversionError(f"HF checkpoint {hf_dir}", ["config.json missing"])
     if args is None:
         flavor, args = _flavor_for_hf(model, flavor, source.config, era)
-    expected = um.native_layout(model, args, era)
+    expected, tied = um.describe(model, args, era)
     native_config = adapter.hf_config(args, era, expected)
+    native_config["tie_word_embeddings"] = tied
     mismatched = [
         f"config.json {k}={v!r}, {model} {flavor or ''} has {native_config[k]!r}"
         for k, v in _arch(source.config).items()
@@ -143,14 +144,13 @@ def to_hf(
     }
     if args is None:
         flavor, args = _flavor_for_native(model, flavor, model_keys, era)
-    expected = um.native_layout(model, args, era)
+    expected, tied = um.describe(model, args, era)
     problems = _layout_diff(model_keys, expected)
     if problems:
         raise ConversionError(f"native checkpoint {checkpoint}", problems)
     config = adapter.hf_config(args, era, expected)
-    groups = adapter.keymap(era, config).plan_to_hf(
-        model_keys, tied=config["tie_word_embeddings"]
-    )
+    config["tie_word_embeddings"] = tied
+    groups = adapter.keymap(era, config).plan_to_hf(model_keys, tied=tied)
     first = next(iter(model_keys.values()))
     out_dtype = dtype or first.dtype
     config["torch_dtype"] = str(out_dtype).removeprefix("torch.")
@@ -218,7 +218,8 @@ def _flavor_for_native(model, flavor, layout, era):
     )
 
 
-# config.json fields that decide the architecture (weights + numerics).
+# config.json fields that decide the architecture (weights + numerics). Tying
+# is not one: a tied HF checkpoint imports into an untied model exactly.
 _ARCH_FIELDS = (
     "model_type",
     "hidden_size",
@@ -233,7 +234,6 @@ _ARCH_FIELDS = (
     "n_shared_experts",
     "q_lora_rank",
     "kv_lora_rank",
-    "tie_word_embeddings",
     "rope_theta",
 )
 

@@ -37,10 +37,10 @@ def _make_class(model: str, era: str) -> type:
         def __init__(self, model_args: Any, hf_assets_path: str | None):
             super().__init__(model_args, hf_assets_path)
             self.model_args = model_args
-            layout = um.native_layout(model, model_args, era)
+            layout, self.tied = um.describe(model, model_args, era)
             self.hf_config = spec.hf_config(model_args, era, layout)
+            self.hf_config["tie_word_embeddings"] = self.tied
             self.keymap = spec.keymap(era, self.hf_config)
-            self.tied = bool(self.hf_config.get("tie_word_embeddings"))
             self.placements: dict[str, tuple] = {}  # stacked DTensor -> layout
             self.tied_keys: dict[str, str] = {}  # native tied -> native source
 

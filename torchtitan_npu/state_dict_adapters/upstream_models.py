@@ -72,3 +72,18 @@ def layout_of(module: torch.nn.Module) -> dict[str, TensorInfo]:
 
 def native_layout(model: str, args: Any, era: str) -> dict[str, TensorInfo]:
     return layout_of(build_meta(model, args, era))
+
+
+def describe(model: str, args: Any, era: str) -> tuple[dict[str, TensorInfo], bool]:
+    """(layout, whether the output head really shares the embedding weight).
+
+    Tying is read from the built model, not the args: 0.2.1's qwen3 has
+    ``enable_weight_tying`` in its args but builds separate weights.
+    """
+    module = build_meta(model, args, era)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    embedding = params.get("tok_embeddings.weight")
+    tied = any(
+        p is embedding for n, p in params.items() if n != "tok_embeddings.weight"
+    )
+    return layout_of(module), tied
