@@ -141,8 +141,8 @@ def _facts(args, era):
             beta_slow=args.beta_slow,
             mscale=args.mscale,
             top_k=moe.top_k,
-            groups=moe.num_expert_groups,
-            limited_groups=moe.num_limited_groups,
+            groups=getattr(moe, "num_expert_groups", None),  # none before 0.2.1
+            limited_groups=getattr(moe, "num_limited_groups", None),
             route_norm=moe.route_norm,
             route_scale=moe.route_scale,
             score_func=moe.score_func,
