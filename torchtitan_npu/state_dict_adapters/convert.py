@@ -175,7 +175,7 @@ def to_hf(
                 part = part.to(out_dtype) if part.is_floating_point() else part
                 writer.write(key, part)
                 bar.advance(part.nbytes)
-            del tensor
+            del tensor, part  # before the next read: RSS holds one group
         writer.close()
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer is not None:
