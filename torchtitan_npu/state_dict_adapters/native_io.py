@@ -96,12 +96,17 @@ def _read_record(path: Path, offset: int, length: int, sizes, out: torch.Tensor)
     with open(path, "rb") as f:
         try:
             archive = zipfile.ZipFile(_Slice(f, offset, length))
-            names = archive.namelist()
-            prefix = names[0].split("/")[0] + "/"
-            if archive.read(prefix + "byteorder") != b"little":
+            prefix = archive.namelist()[0].split("/")[0] + "/"
+
+            def member(name: str) -> bytes:  # no CRC check: ours are written without
+                start = _data_start(f, offset, archive.getinfo(name))
+                f.seek(start)
+                return f.read(archive.getinfo(name).file_size)
+
+            if member(prefix + "byteorder") != b"little":
                 raise _NotPlain
             storage, storage_offset, size, stride = _TensorPickle(
-                io.BytesIO(archive.read(prefix + "data.pkl"))
+                io.BytesIO(member(prefix + "data.pkl"))
             ).load()
             info = archive.getinfo(prefix + "data/" + storage)
         except (pickle.UnpicklingError, KeyError, zipfile.BadZipFile, TypeError) as e:
@@ -117,12 +122,19 @@ def _read_record(path: Path, offset: int, length: int, sizes, out: torch.Tensor)
             or info.file_size != out.numel()
         ):
             raise _NotPlain
-        f.seek(offset + info.header_offset)
-        header = f.read(30)
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        f.seek(offset + info.header_offset + 30 + name_len + extra_len)
+        f.seek(_data_start(f, offset, info))
         if f.readinto(memoryview(out.numpy())) != out.numel():
             raise _NotPlain
+
+
+def _data_start(f, offset: int, info: zipfile.ZipInfo) -> int:
+    """File position of a stored zip member's data (after its local header)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise _NotPlain
+    f.seek(offset + info.header_offset)
+    header = f.read(30)
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return offset + info.header_offset + 30 + name_len + extra_len
 
 
 class _Slice(io.RawIOBase):
