@@ -99,9 +99,9 @@ def _read_record(path: Path, offset: int, length: int, sizes, out: torch.Tensor)
             prefix = archive.namelist()[0].split("/")[0] + "/"
 
             def member(name: str) -> bytes:  # no CRC check: ours are written without
-                start = _data_start(f, offset, archive.getinfo(name))
-                f.seek(start)
-                return f.read(archive.getinfo(name).file_size)
+                info = archive.getinfo(name)
+                f.seek(_data_start(f, offset, info))
+                return f.read(info.file_size)
 
             if member(prefix + "byteorder") != b"little":
                 raise _NotPlain

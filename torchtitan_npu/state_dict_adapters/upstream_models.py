@@ -21,36 +21,39 @@ def _package(model: str):
     raise ConversionError(f"model {model!r}", ["no such upstream model package"])
 
 
-def flavors(model: str, era: str) -> dict[str, Any]:
-    """flavor name -> model args (0.2.x) or model config (0.3.x)."""
+def flavor_names(model: str, era: str) -> list[str]:
     if era == TRAINSPEC:
         from torchtitan.protocols.train_spec import get_train_spec
 
-        return dict(get_train_spec(model).model_args)
-    package = _package(model)
+        return list(get_train_spec(model).model_args)
     table = next(
         (
             v
-            for k, v in vars(package).items()
+            for k, v in vars(_package(model)).items()
             if k.endswith("_configs") and isinstance(v, dict)
         ),
-        None,
+        {},
     )
-    names = list(table) if table else []
-    return {name: _config_of(package, name) for name in names}
+    return list(table)
 
 
-def _config_of(package, flavor: str):
-    return package.model_registry(flavor).model
+def flavors(model: str, era: str) -> dict[str, Any]:
+    """flavor name -> model args (0.2.x) or model config (0.3.x)."""
+    return {name: model_args(model, name, era) for name in flavor_names(model, era)}
 
 
 def model_args(model: str, flavor: str, era: str) -> Any:
-    known = flavors(model, era)
+    """One flavor's model args (0.2.x) or model config (0.3.x)."""
+    known = flavor_names(model, era)
     if flavor not in known:
         raise ConversionError(
             f"model {model!r}", [f"unknown flavor {flavor!r}; known: {sorted(known)}"]
         )
-    return known[flavor]
+    if era == TRAINSPEC:
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        return get_train_spec(model).model_args[flavor]
+    return _package(model).model_registry(flavor).model
 
 
 def build_meta(model: str, args: Any, era: str) -> torch.nn.Module:
