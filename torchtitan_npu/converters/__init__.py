@@ -1,0 +1,34 @@
+"""Kernel converters: named op swaps with torch_npu kernels on npu and
+PyTorch-native references on cuda/cpu, bridged into each upstream era."""
+
+from torchtitan_npu.converters.registry import (
+    CONVERTERS,
+    Converter,
+    ConverterError,
+    Replacement,
+    apply_to_config,
+    apply_to_module,
+    check,
+    get,
+    parse_names,
+    restore_functions,
+)
+
+__all__ = [
+    "CONVERTERS",
+    "Converter",
+    "ConverterError",
+    "Replacement",
+    "apply_to_config",
+    "apply_to_module",
+    "check",
+    "get",
+    "parse_names",
+    "restore_functions",
+]
+
+
+def all_converters() -> dict[str, Converter]:
+    from torchtitan_npu.converters import builtin  # noqa: F401  (registers)
+
+    return CONVERTERS
