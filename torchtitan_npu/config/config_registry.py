@@ -97,12 +97,7 @@ def to_trainer_config(config: dict[str, Any], *, version: str, device_type: str)
             continue
         section, _, leaf = key.partition(".")
         if key == "model.converters":
-            if value:
-                raise ConfigError(
-                    f"{key!r}: converters are not yet wired for era {ERA} "
-                    f"(torchtitan {version})"
-                )
-            continue
+            continue  # after every other key: converters check the layout
         if section == "optimizer" and leaf in _OPTIMIZER_KWARGS:
             for group in trainer_config.optimizer.param_groups:
                 group.optimizer_kwargs[leaf] = value
@@ -121,6 +116,15 @@ def to_trainer_config(config: dict[str, Any], *, version: str, device_type: str)
                 f"{version} (era {ERA})"
             )
         set_path(trainer_config, target, value)
+    if flat.get("model.converters"):
+        from torchtitan_npu.converters import config_registry as converters
+
+        converters.apply(
+            trainer_config,
+            flat["model.converters"],
+            model_name=model["name"],
+            device_type=device_type,
+        )
     return trainer_config
 
 

@@ -24,7 +24,16 @@ def to_job_config(config: dict[str, Any], *, version: str) -> dict[str, Any]:
 
     defaults = JobConfig()
     out: dict[str, Any] = {}
-    for key, value in flatten(config).items():
+    flat = flatten(config)
+    if flat.get("model.converters"):
+        from torchtitan_npu.converters.trainspec import checked_names
+
+        flat["model.converters"] = checked_names(
+            flat["model.converters"],
+            model_name=flat.get("model.name", defaults.model.name),
+            context_parallel=flat.get("parallelism.context_parallel_degree", 1) > 1,
+        )
+    for key, value in flat.items():
         target = key
         if not has_path(defaults, key) and key in _LEGACY_DEBUG_KEYS:
             target = _LEGACY_DEBUG_KEYS[key]

@@ -131,4 +131,38 @@ QWEN2_MODEL = Patch(
     apply=_apply_qwen2,
 )
 
-PATCHES = [EAGER_FLEX_ATTENTION, FLEX_MASK_DEVICE, HF_ADAPTERS, QWEN2_MODEL]
+
+def _apply_converters(target: Target, ctx: PatchContext) -> list[Change]:
+    from torchtitan_npu.converters.trainspec import model_converter_classes
+
+    # What register_model_converter(cls, name) does for each converter, on a
+    # copy of the registry so that reverting the overlay unregisters them.
+    registry = dict(target.owner._registry_model_converter_cls)
+    ours = model_converter_classes(ctx.device_type)
+    taken = sorted(set(registry) & set(ours))
+    if taken:
+        raise ValueError(f"model converters {taken} are already registered.")
+    registry.update(ours)
+    return [Change(target.owner, "_registry_model_converter_cls", registry)]
+
+
+CONVERTERS = Patch(
+    name="converters",
+    target="torchtitan.protocols.model_converter:register_model_converter",
+    kind="inject",
+    reason=(
+        "registers titan-npu's kernel converters (torchtitan_npu.converters: "
+        "rms_norm, rope, attention, swiglu, grouped_mm) as model converters, "
+        "applied by name from model.converters."
+    ),
+    eras=("trainspec",),
+    apply=_apply_converters,
+)
+
+PATCHES = [
+    EAGER_FLEX_ATTENTION,
+    FLEX_MASK_DEVICE,
+    HF_ADAPTERS,
+    QWEN2_MODEL,
+    CONVERTERS,
+]

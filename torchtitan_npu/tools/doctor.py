@@ -58,4 +58,22 @@ def run() -> int:
     print(f"device      {ctx.device_type} (backend {ctx.backend})")
     print("\npatches")
     print(status_table(activation.status))
+    print("\nconverters (train config: [model] converters = [...])")
+    print(converter_table(ctx.era, ctx.device_type))
     return 0
+
+
+def converter_table(era: str, device_type: str) -> str:
+    from torchtitan_npu.converters import all_converters
+    from torchtitan_npu.converters.kernels import impl_for
+    from torchtitan_npu.tools.table import format_table
+
+    rows = []
+    for name, converter in sorted(all_converters().items()):
+        kernel = (
+            ", ".join(f"torch_npu.{op}" for op in converter.npu_ops)
+            if impl_for(device_type) == "npu"
+            else converter.native
+        )
+        rows.append([name, ", ".join(converter.models(era)), kernel])
+    return format_table(["name", "models", f"kernel on {device_type}"], rows)
