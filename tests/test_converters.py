@@ -1,0 +1,403 @@
+"""Kernel converters: converted models compute what upstream's do (fp32, CPU),
+the npu path calls the torch_npu kernels it should, and errors are clear.
+
+The npu dispatch tests use a stand-in torch_npu that records its calls and
+answers with the native kernels' results: it checks which kernel is called
+with which arguments, never NPU numerics.
+"""
+
+import copy
+import logging
+import sys
+import types
+
+import pytest
+import torch
+from hf_support import native_model
+from support import LOSS, requires_newest_of_era, train
+
+from torchtitan_npu import converters
+from torchtitan_npu.bootstrap import activate, deactivate
+from torchtitan_npu.converters import kernels
+from torchtitan_npu.converters.registry import ConverterError, converted_class
+from torchtitan_npu.state_dict_adapters import upstream_models as um
+
+MODELS = ["llama3", "qwen3", "deepseek_v3"]
+NAMES = ["rms_norm", "rope", "attention", "swiglu", "grouped_mm"]
+TOLERANCE = 1e-5  # fp32; only attention (SDPA vs FlexAttention) is not bit-exact
+
+
+@pytest.fixture(scope="module", autouse=True)
+def overlay():
+    yield activate()  # FlexAttention's CPU backward (0.3.x) needs it
+    deactivate()
+
+
+@pytest.fixture(scope="module")
+def era(overlay):
+    return overlay.context.era
+
+
+@pytest.fixture(autouse=True)
+def restore_functions():
+    yield
+    converters.restore_functions()
+
+
+def converted_model(model: str, names: list[str], era: str, device_type="cpu"):
+    """The debug model with ``names`` applied the era's way, and the counts."""
+    args = copy.deepcopy(um.model_args(model, "debugmodel", era))
+    counts = []
+    if era == "trainspec":
+        module = native_model(model, args, era)
+        for name in names:
+            counts.append(
+                converters.apply_to_module(
+                    module,
+                    converters.get(name),
+                    era=era,
+                    model_name=model,
+                    device_type=device_type,
+                )
+            )
+        return module, counts
+    for name in names:
+        args, count = converters.apply_to_config(
+            args,
+            converters.get(name),
+            era=era,
+            model_name=model,
+            device_type=device_type,
+        )
+        counts.append(count)
+    return native_model(model, args, era), counts
+
+
+def forward_backward(module, era: str):
+    """Logits and every parameter's gradient of a fixed batch (train mode)."""
+    tokens = torch.randint(0, 2000, (2, 32), generator=torch.Generator().manual_seed(1))
+    module.train()
+    module.zero_grad()
+    if era == "trainspec":
+        logits = module(tokens)
+    else:
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        logits = module(tokens, attention_masks=module.get_attention_masks(positions))
+    logits.float().pow(2).mean().backward()
+    grads = {
+        n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None
+    }
+    return logits.detach(), grads
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(era):
+    """Each model unconverted: state dict, logits, gradients."""
+    cache = {}
+
+    def get(model):
+        if model not in cache:
+            module = native_model(model, um.model_args(model, "debugmodel", era), era)
+            cache[model] = (module.state_dict(), *forward_backward(module, era))
+        return cache[model]
+
+    return get
+
+
+def runs_forward(model: str, era: str) -> bool:
+    # 0.2.x's MoE router calls torch.histc on int64, which has no CPU kernel.
+    return not (era == "trainspec" and model == "deepseek_v3")
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("model", MODELS)
+def test_converted_model_matches_upstream(model, name, era, reference):
+    converter = converters.get(name)
+    if model not in converter.models(era):
+        pytest.skip(f"{name} does not apply to {model} (no such layers)")
+    if not runs_forward(model, era):
+        pytest.skip("0.2.x deepseek_v3 cannot run forward on CPU (torch.histc int64)")
+    if name == "grouped_mm" and model == "qwen3":
+        pytest.skip("qwen3 debugmodel is dense; see test_replaced_nothing_warns")
+    module, (count,) = converted_model(model, [name], era)
+    assert count > 0
+    assert any(getattr(m, "converter", None) == name for m in module.modules()) or (
+        name == "rope" and era == "trainspec"  # a function, not a module class
+    )
+    state, logits, grads = reference(model)
+    module.load_state_dict(state)
+    conv_logits, conv_grads = forward_backward(module, era)
+    forward = (conv_logits - logits).abs().max().item()
+    backward = max_abs_diff(conv_grads, grads)
+    print(f"{model} {name}: {count} replaced, fwd {forward:.2e}, bwd {backward:.2e}")
+    assert forward <= TOLERANCE and backward <= TOLERANCE
+    if name != "attention":  # same arithmetic, another code path: bit-exact
+        assert forward == 0.0
+
+
+def test_all_converters_together(era, reference):
+    module, counts = converted_model("llama3", NAMES[:4], era)
+    assert all(counts)
+    state, logits, grads = reference("llama3")
+    module.load_state_dict(state)
+    conv_logits, conv_grads = forward_backward(module, era)
+    assert (conv_logits - logits).abs().max().item() <= TOLERANCE
+    assert max_abs_diff(conv_grads, grads) <= TOLERANCE
+
+
+def test_grouped_experts_module_matches_upstream_loop(era):
+    """Routed experts alone (runs on 0.2.x too, where the MoE router cannot)."""
+    torch.manual_seed(0)
+    dim, hidden, num_experts = 16, 24, 4
+    if era == "trainspec":
+        from torchtitan.models.moe.moe import GroupedExperts
+
+        experts = GroupedExperts(dim, hidden, num_experts, use_grouped_mm=False)
+    else:
+        from torchtitan.models.common.moe import GroupedExperts
+
+        experts = GroupedExperts.Config(
+            dim=dim, hidden_dim=hidden, num_experts=num_experts
+        ).build()
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    converted = copy.deepcopy(experts)
+    converter = converters.get("grouped_mm")
+    (replacement,) = converter.replacements[era]
+    converted.__class__ = converted_class(
+        type(experts), replacement, "grouped_mm", "cpu", era
+    )
+    x = torch.randn(20, dim, requires_grad=True)
+    counts = torch.tensor([5, 0, 9, 6])
+    expected = experts(x, counts)
+    actual = converted(x, counts)
+    if era == "trainspec":  # upstream's fp32 loop vs the converter in fp32
+        torch.testing.assert_close(actual, expected, rtol=0, atol=TOLERANCE)
+    else:  # both bf16 grouped GEMMs (upstream's casts kept)
+        assert torch.equal(actual, expected)
+
+
+# --- the npu path, with a recording stand-in torch_npu ---------------------------
+
+
+class RecordingTorchNpu(types.ModuleType):
+    """Records torch_npu calls; answers with the native kernels (shapes only)."""
+
+    def __init__(self):
+        super().__init__("torch_npu")
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def _record(self, name, args, kwargs):
+        self.calls.append((name, args, kwargs))
+
+    def npu_rms_norm(self, x, gamma, epsilon):
+        self._record("npu_rms_norm", (x, gamma), {"epsilon": epsilon})
+        return kernels.rms_norm_native(x, gamma.shape, gamma, epsilon), None
+
+    def npu_rotary_mul(self, x, cos, sin, rotary_mode):
+        self._record("npu_rotary_mul", (x, cos, sin), {"rotary_mode": rotary_mode})
+        return kernels.rotary_native(x, cos, sin, rotary_mode == "interleave")
+
+    def npu_fusion_attention(self, q, k, v, head_num, input_layout, **kwargs):
+        self._record("npu_fusion_attention", (q, k, v, head_num, input_layout), kwargs)
+        mask = None if kwargs["sparse_mode"] == 3 else ~kwargs["atten_mask"]
+        out = kernels.attention_native(
+            q,
+            k,
+            v,
+            mask=mask,
+            scale=kwargs["scale"],
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return (out,)
+
+    def npu_swiglu(self, x, dim):
+        self._record("npu_swiglu", (x,), {"dim": dim})
+        gate, up = x.chunk(2, dim=dim)
+        return kernels.swiglu_native(gate, up)
+
+    def npu_grouped_matmul(self, x, weight, **kwargs):
+        self._record("npu_grouped_matmul", (x, weight), kwargs)
+        return [kernels.grouped_mm_loop(x[0], weight[0], kwargs["group_list"])]
+
+
+@pytest.fixture
+def torch_npu(monkeypatch):
+    stand_in = RecordingTorchNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", stand_in)
+    return stand_in
+
+
+def test_npu_kernels_call_torch_npu(torch_npu):
+    x = torch.randn(2, 8, 4, 16)
+    kernels.rms_norm_npu(x, (16,), None, None)
+    name, (_, gamma), kwargs = torch_npu.calls[-1]
+    assert name == "npu_rms_norm" and torch.equal(gamma, torch.ones(16))
+    assert kwargs == {"epsilon": torch.finfo(torch.float32).eps}
+
+    cos, sin = torch.randn(1, 8, 1, 16), torch.randn(1, 8, 1, 16)
+    kernels.rotary_npu(x, cos, sin, False)
+    assert torch_npu.calls[-1][2] == {"rotary_mode": "half"}
+    kernels.rotary_npu(x, cos, sin, True)
+    assert torch_npu.calls[-1][2] == {"rotary_mode": "interleave"}
+
+    q = torch.randn(2, 4, 8, 16)
+    kernels.attention_npu(q, q, q, mask=None, scale=None, enable_gqa=False)
+    name, args, kwargs = torch_npu.calls[-1]
+    assert args[3:] == (4, "BNSD") and kwargs["sparse_mode"] == 3
+    assert kwargs["atten_mask"].shape == (2048, 2048)
+    assert kwargs["atten_mask"][0, 1] and not kwargs["atten_mask"][1, 0]
+    assert kwargs["scale"] == 16**-0.5 and kwargs["keep_prob"] == 1.0
+    allowed = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    kernels.attention_npu(q, q, q, mask=allowed, scale=0.5, enable_gqa=False)
+    kwargs = torch_npu.calls[-1][2]
+    assert kwargs["sparse_mode"] == 0 and torch.equal(kwargs["atten_mask"], ~allowed)
+
+    gate, up = torch.randn(3, 5), torch.randn(3, 5)
+    kernels.swiglu_npu(gate, up)
+    name, (fused,), kwargs = torch_npu.calls[-1]
+    assert torch.equal(fused, torch.cat((gate, up), -1)) and kwargs == {"dim": -1}
+
+    a, b_t = torch.randn(10, 4), torch.randn(3, 4, 6)
+    offs = torch.tensor([2, 2, 10], dtype=torch.int32)
+    kernels.grouped_mm_npu(a, b_t, offs)
+    name, ([x], [w]), kwargs = torch_npu.calls[-1]
+    assert x is a and w is b_t and kwargs["group_list"].dtype == torch.int64
+    assert kwargs["group_list"].tolist() == [2, 2, 10]
+    modes = (kwargs["split_item"], kwargs["group_type"], kwargs["group_list_type"])
+    assert modes == (2, 0, 0)
+
+
+def test_npu_kernels_leave_dtensors_to_native(torch_npu, tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        gate, up = (
+            distribute_tensor(torch.randn(3, 5), mesh, [Replicate()]) for _ in "gu"
+        )
+        out = kernels.swiglu_npu(gate, up)
+        assert isinstance(out, DTensor) and torch_npu.calls == []
+        kernels.swiglu_npu(gate.to_local(), up.to_local())
+        assert [name for name, _, _ in torch_npu.calls] == ["npu_swiglu"]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("model", ["llama3", "qwen3"])
+def test_converted_model_on_npu_calls_each_kernel(model, era, torch_npu):
+    names = ["rms_norm", "rope", "attention", "swiglu"]
+    module, counts = converted_model(model, names, era, device_type="npu")
+    assert all(counts)
+    forward_backward(module, era)
+    called = {name for name, _, _ in torch_npu.calls}
+    assert called == {
+        "npu_rms_norm",
+        "npu_rotary_mul",
+        "npu_fusion_attention",
+        "npu_swiglu",
+    }
+    modes = {kw["rotary_mode"] for n, _, kw in torch_npu.calls if n == "npu_rotary_mul"}
+    assert modes == {"interleave" if model == "llama3" else "half"}
+    eps = {kw["epsilon"] for n, _, kw in torch_npu.calls if n == "npu_rms_norm"}
+    norms = [m for m in module.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert eps == {m.eps or torch.finfo(torch.float32).eps for m in norms}
+    heads = {a[3] for n, a, _ in torch_npu.calls if n == "npu_fusion_attention"}
+    assert heads == {
+        a[0].shape[1] for n, a, _ in torch_npu.calls if n == "npu_fusion_attention"
+    }
+
+
+# --- errors ----------------------------------------------------------------------
+
+
+def test_unknown_converter_lists_known():
+    with pytest.raises(
+        ConverterError, match=r"unknown converter 'fused_norm'.*'rms_norm'"
+    ):
+        converters.get("fused_norm")
+
+
+def test_unsupported_model_is_an_error(era):
+    with pytest.raises(ConverterError, match="does not support model 'llama3'"):
+        converters.check(["grouped_mm"], era=era, model_name="llama3")
+    with pytest.raises(ConverterError, match="does not support model 'qwen2'"):
+        converters.check(["rms_norm"], era=era, model_name="qwen2")
+
+
+def test_attention_refuses_context_parallel(era):
+    with pytest.raises(ConverterError, match="context parallelism"):
+        converters.check(
+            ["attention"], era=era, model_name="llama3", context_parallel=True
+        )
+    converters.check(["rms_norm"], era=era, model_name="llama3", context_parallel=True)
+
+
+def test_replaced_nothing_warns(era, caplog):
+    with caplog.at_level(logging.WARNING):
+        _, (count,) = converted_model("qwen3", ["grouped_mm"], era)
+    assert count == 0
+    assert "converter grouped_mm replaced nothing in model qwen3" in caplog.text
+
+
+def test_names_from_the_command_line():
+    assert converters.parse_names("rms_norm, rope") == ["rms_norm", "rope"]
+    assert converters.parse_names(["swiglu"]) == ["swiglu"]
+    assert converters.parse_names(None) == []
+
+
+def test_train_config_translation(era, upstream):
+    config = {
+        "model": {
+            "name": "llama3",
+            "flavor": "debugmodel",
+            "converters": "rms_norm,rope",
+        }
+    }
+    version = upstream.installed.version
+    if era == "trainspec":
+        from torchtitan_npu.config.trainspec import to_job_config
+
+        job = to_job_config(config, version=version)
+        assert job["model"]["converters"] == ["rms_norm", "rope"]
+        config["model"]["converters"] = ["rms_norm", "nope"]
+        with pytest.raises(ConverterError, match=r"'nope'.*'float8'"):
+            to_job_config(config, version=version)
+        return
+    from torchtitan.models.common.nn_modules import RMSNorm
+
+    from torchtitan_npu.config.config_registry import to_trainer_config
+
+    trainer = to_trainer_config(config, version=version, device_type="cpu")
+    norms = list(trainer.model_spec.model.traverse(RMSNorm.Config))
+    assert norms and all(
+        type(n).__qualname__ == "RMSNorm_rms_norm.Config" for _, n, _, _ in norms
+    )
+    config["model"]["converters"] = ["nope"]
+    with pytest.raises(ConverterError, match="unknown converter 'nope'"):
+        to_trainer_config(config, version=version, device_type="cpu")
+
+
+# --- training ----------------------------------------------------------------------
+
+
+@requires_newest_of_era("one end-to-end converter run per era")
+def test_training_with_converters_matches_without(tmp_path):
+    names = "rms_norm,rope,attention,swiglu"
+    plain = train(tmp_path / "plain", steps=3)
+    converted = train(tmp_path / "converted", "--model.converters", names, steps=3)
+    for step, loss in plain[LOSS].items():
+        assert converted[LOSS][step] == pytest.approx(loss, rel=1e-5, abs=0)
+    log = (tmp_path / "converted.log").read_text()
+    for name in names.split(","):
+        assert f"converter {name}:" in log
