@@ -1,4 +1,4 @@
-"""Patches every era needs: device choice and SUM-only gradient reduction."""
+"""Patches every era needs: device choice, SUM-only reductions, NPU wiring."""
 
 from torchtitan_npu.overlay.registry import Change, Patch, PatchContext, Target
 
@@ -136,4 +136,88 @@ FLEX_CPU_BACKWARD = Patch(
     skip=skip_unless_cpu,
 )
 
-PATCHES = [DEVICE, FSDP_SUM_REDUCTION, FLEX_CPU_BACKWARD]
+
+def skip_unless_npu(ctx: PatchContext) -> str | None:
+    return None if ctx.device_type == "npu" else f"not on npu ({ctx.device_type})"
+
+
+def _apply_hccl_sum_only(target: Target, ctx: PatchContext) -> list[Change]:
+    from torchtitan_npu.distributed.hccl import mean_by_sum
+
+    return [Change(target.owner, target.attr, mean_by_sum(target.owner.dist_sum))]
+
+
+HCCL_SUM_ONLY = Patch(
+    name="hccl_sum_only",
+    target="torchtitan.distributed.utils:dist_mean",
+    kind="replace",
+    reason=(
+        "torchtitan averages the logged loss with ReduceOp.AVG, which HCCL does "
+        "not implement; reduces with SUM and divides by the group size instead."
+    ),
+    eras=ALL_ERAS,
+    apply=_apply_hccl_sum_only,
+    skip=lambda ctx: None if ctx.backend == "hccl" else f"not hccl ({ctx.backend})",
+)
+
+
+def _apply_hccl_env(target: Target, ctx: PatchContext) -> list[Change]:
+    from torchtitan_npu.distributed.hccl import translate_nccl_env
+
+    original = target.obj
+
+    def init_process_group(*args, **kwargs):
+        translate_nccl_env()
+        return original(*args, **kwargs)
+
+    return [Change(target.owner, target.attr, init_process_group)]
+
+
+HCCL_ENV = Patch(
+    name="hccl_env",
+    target="torch.distributed:init_process_group",
+    kind="wrap",
+    reason=(
+        "torchtitan sets the flight recorder's TORCH_NCCL_* / TORCH_FR_* "
+        "variables just before creating the process group; torch_npu reads "
+        "TORCH_HCCL_* / HCCL_* names. Copies each across at that moment."
+    ),
+    eras=ALL_ERAS,
+    apply=_apply_hccl_env,
+    skip=skip_unless_npu,
+)
+
+
+def _apply_ascend_peak_flops(target: Target, ctx: PatchContext) -> list[Change]:
+    from torchtitan_npu.tools.flops import ascend_peak_flops
+
+    original = target.obj
+
+    def get_peak_flops(device_name: str) -> float:
+        peak = ascend_peak_flops(device_name)
+        return original(device_name) if peak is None else peak
+
+    return [Change(target.owner, target.attr, get_peak_flops)]
+
+
+ASCEND_PEAK_FLOPS = Patch(
+    name="ascend_peak_flops",
+    target="torchtitan.tools.utils:get_peak_flops",
+    kind="wrap",
+    reason=(
+        "upstream's peak-FLOPs lookup knows NVIDIA/AMD names only and reports "
+        "MFU against an A100 elsewhere; adds the Ascend table (tools/flops.py)."
+    ),
+    eras=ALL_ERAS,
+    apply=_apply_ascend_peak_flops,
+    skip=skip_unless_npu,
+)
+
+PATCHES = [
+    DEVICE,
+    FSDP_SUM_REDUCTION,
+    FLEX_CPU_BACKWARD,
+    HCCL_SUM_ONLY,
+    HCCL_ENV,
+    ASCEND_PEAK_FLOPS,
+]

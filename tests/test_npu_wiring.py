@@ -1,0 +1,102 @@
+"""NPU wiring that runs without an NPU: HCCL environment, SUM-only mean, peak FLOPs.
+
+The patches are applied to the real upstream functions with an npu/hccl
+context; only the collectives run on gloo.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torchtitan_npu.distributed.hccl import mean_by_sum, translate_nccl_env
+from torchtitan_npu.overlay import common
+from torchtitan_npu.overlay.registry import PatchContext, resolve_target
+from torchtitan_npu.tools.flops import PEAK_FLOPS_ENV, ascend_peak_flops
+
+
+def npu_context(upstream) -> PatchContext:
+    return PatchContext(upstream.installed.version, upstream.era, "npu", "hccl", True)
+
+
+def patched(patch, upstream):
+    """The function a patch would install, built against the real target."""
+    (change,) = patch.apply(resolve_target(patch.target), npu_context(upstream))
+    return change.value
+
+
+def test_flight_recorder_variables_are_translated():
+    env = {
+        "TORCH_FR_BUFFER_SIZE": "2000",  # 0.3.x names
+        "TORCH_FR_DUMP_TEMP_FILE": "/out/comm_traces/rank_",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "HCCL_ASYNC_ERROR_HANDLING": "1",  # the user's own value wins
+    }
+    added = translate_nccl_env(env)
+    assert added == {
+        "TORCH_HCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_HCCL_DEBUG_INFO_TEMP_FILE": "/out/comm_traces/rank_",
+        "TORCH_HCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_HCCL_ENABLE_MONITORING": "1",
+    }
+    assert env["HCCL_ASYNC_ERROR_HANDLING"] == "1"
+    env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}  # 0.2.x name, recorder off
+    assert translate_nccl_env(env) == {"TORCH_HCCL_TRACE_BUFFER_SIZE": "0"}
+
+
+def test_hccl_env_patch_translates_before_the_process_group(
+    upstream, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    monkeypatch.delenv("TORCH_HCCL_DUMP_ON_TIMEOUT", raising=False)
+    init_process_group = patched(common.HCCL_ENV, upstream)
+    init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        assert os.environ["TORCH_HCCL_DUMP_ON_TIMEOUT"] == "1"
+    finally:
+        dist.destroy_process_group()
+        monkeypatch.delenv("TORCH_HCCL_DUMP_ON_TIMEOUT")
+
+
+def _mean_on_two_ranks(rank: int, store: str, results) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed import utils as dist_utils
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2
+    )
+    mesh = init_device_mesh("cpu", (2,))
+    dist_mean = mean_by_sum(dist_utils.dist_sum)
+    results[rank] = float(dist_mean(torch.tensor(float(rank + 1)), mesh))
+    dist.destroy_process_group()
+
+
+def test_mean_by_sum_on_two_ranks(tmp_path):
+    results = mp.Manager().dict()
+    mp.spawn(_mean_on_two_ranks, args=(str(tmp_path / "store"), results), nprocs=2)
+    assert dict(results) == {0: 1.5, 1: 1.5}
+
+
+def test_ascend_peak_flops(upstream, monkeypatch):
+    monkeypatch.delenv(PEAK_FLOPS_ENV, raising=False)
+    assert ascend_peak_flops("Ascend910B3") == 313e12
+    assert ascend_peak_flops("Ascend910B1") == 414e12  # not "Ascend910"
+    assert ascend_peak_flops("Ascend910") == 256e12
+    assert ascend_peak_flops("NVIDIA H100") is None
+    get_peak_flops = patched(common.ASCEND_PEAK_FLOPS, upstream)
+    assert get_peak_flops("Ascend910B2") == 376e12
+    assert get_peak_flops("NVIDIA A100") == 312e12  # upstream's own answer
+    monkeypatch.setenv(PEAK_FLOPS_ENV, "1e15")
+    assert get_peak_flops("Ascend910B2") == 1e15
+
+
+@pytest.mark.parametrize("patch", [common.HCCL_ENV, common.ASCEND_PEAK_FLOPS])
+def test_npu_patches_stay_off_elsewhere(patch, upstream):
+    ctx = PatchContext(upstream.installed.version, upstream.era, "cpu", "gloo", True)
+    assert patch.skip(ctx) == "not on npu (cpu)"
+    assert patch.skip(npu_context(upstream)) is None
