@@ -5,6 +5,8 @@ context; only the collectives run on gloo.
 """
 
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch.multiprocessing as mp
 
 from torchtitan_npu.distributed.hccl import mean_by_sum, translate_nccl_env
 from torchtitan_npu.overlay import common
-from torchtitan_npu.overlay.registry import PatchContext, resolve_target
+from torchtitan_npu.overlay.registry import Overlay, PatchContext, resolve_target
 from torchtitan_npu.tools.flops import PEAK_FLOPS_ENV, ascend_peak_flops
 
 
@@ -100,3 +102,79 @@ def test_npu_patches_stay_off_elsewhere(patch, upstream):
     ctx = PatchContext(upstream.installed.version, upstream.era, "cpu", "gloo", True)
     assert patch.skip(ctx) == "not on npu (cpu)"
     assert patch.skip(npu_context(upstream)) is None
+
+
+class RecordingNpuProfiler(types.ModuleType):
+    """Stand-in ``torch_npu.profiler``: records how it is built and answers
+    with torch's own CPU profiler, so upstream's profiling code runs through."""
+
+    class ProfilerActivity:
+        CPU, NPU = "CPU", "NPU"
+
+    def __init__(self):
+        super().__init__("torch_npu.profiler")
+        self.calls = []
+        self._profile, self._schedule = torch.profiler.profile, torch.profiler.schedule
+
+    def profile(self, *, activities, **kwargs):
+        self.calls.append(("profile", activities, kwargs))
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        return self._profile(activities=cpu, **kwargs)
+
+    def schedule(self, **kwargs):
+        self.calls.append(("schedule", None, kwargs))
+        return self._schedule(**kwargs)
+
+
+def _run_upstream_profiler(era: str, folder) -> None:
+    """Upstream's own profiling entry point, two steps, tracing step 2."""
+    if era == "trainspec":
+        from torchtitan.config import JobConfig
+        from torchtitan.tools.profiling import maybe_enable_profiling
+
+        config = JobConfig().profiling
+        config.enable_profiling, config.profile_freq = True, 2
+        config.profiler_warmup, config.profiler_active = 0, 1
+        with maybe_enable_profiling(config, base_folder=str(folder)) as profiler:
+            for _ in range(2):
+                torch.ones(4).sum()
+                profiler.step()
+        return
+    from torchtitan.tools.profiler import Profiler
+
+    config = Profiler.Config(
+        enable_profiling=True, profile_freq=2, profiler_warmup=0, profiler_active=1
+    )
+    with Profiler(config, base_folder=str(folder)) as profiler:
+        for _ in range(2):
+            torch.ones(4).sum()
+            profiler.step()
+
+
+def test_upstream_profiling_builds_the_torch_npu_profiler(
+    upstream, monkeypatch, tmp_path
+):
+    stand_in = RecordingNpuProfiler()
+    torch_npu = types.ModuleType("torch_npu")
+    torch_npu.profiler = stand_in
+    monkeypatch.setitem(sys.modules, "torch_npu", torch_npu)
+    patches = [common.NPU_PROFILER, common.NPU_PROFILER_SCHEDULE]
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        with Overlay().applied(patches, npu_context(upstream), upstream.fingerprints):
+            _run_upstream_profiler(upstream.era, tmp_path / "out")
+    finally:
+        dist.destroy_process_group()
+    (schedule, profile) = stand_in.calls
+    assert schedule[2] == {
+        "wait": 1,
+        "warmup": 0,
+        "active": 1,
+        "repeat": 0,
+        "skip_first": 0,
+    }
+    assert profile[1] == ["CPU", "NPU"] and profile[2]["record_shapes"] is True
+    assert list((tmp_path / "out").rglob("rank0_trace.json*"))  # upstream's handler ran
+    assert torch.profiler.profile is stand_in._profile  # reverted

@@ -213,6 +213,37 @@ ASCEND_PEAK_FLOPS = Patch(
     skip=skip_unless_npu,
 )
 
+
+def _apply_npu_profiler(target: Target, ctx: PatchContext) -> list[Change]:
+    from torchtitan_npu.tools import npu_profiler
+
+    return [Change(target.owner, target.attr, getattr(npu_profiler, target.attr))]
+
+
+NPU_PROFILER = Patch(
+    name="npu_profiler",
+    target="torch.profiler:profile",
+    kind="replace",
+    reason=(
+        "upstream profiles with torch.profiler, which records no NPU activity; "
+        "builds torch_npu.profiler.profile with CPU + NPU activities instead "
+        "(tools/npu_profiler.py), under upstream's profiling config."
+    ),
+    eras=ALL_ERAS,
+    apply=_apply_npu_profiler,
+    skip=skip_unless_npu,
+)
+
+NPU_PROFILER_SCHEDULE = Patch(
+    name="npu_profiler_schedule",
+    target="torch.profiler:schedule",
+    kind="replace",
+    reason="the schedule torch_npu's profiler understands (see npu_profiler).",
+    eras=ALL_ERAS,
+    apply=_apply_npu_profiler,
+    skip=skip_unless_npu,
+)
+
 PATCHES = [
     DEVICE,
     FSDP_SUM_REDUCTION,
@@ -220,4 +251,6 @@ PATCHES = [
     HCCL_SUM_ONLY,
     HCCL_ENV,
     ASCEND_PEAK_FLOPS,
+    NPU_PROFILER,
+    NPU_PROFILER_SCHEDULE,
 ]
