@@ -29,23 +29,13 @@ def build(model: str, names: list[str], era: str, device_type: str):
         from torchtitan.protocols.train_spec import get_train_spec
 
         module = get_train_spec(model).model_cls(args)
-        for name in names:
-            converters.apply_to_module(
-                module,
-                converters.get(name),
-                era=era,
-                model_name=model,
-                device_type=device_type,
-            )
+        converters.apply_named(
+            module, names, era=era, model_name=model, device_type=device_type
+        )
     else:
-        for name in names:
-            args, _ = converters.apply_to_config(
-                args,
-                converters.get(name),
-                era=era,
-                model_name=model,
-                device_type=device_type,
-            )
+        args, _ = converters.apply_named(
+            args, names, era=era, model_name=model, device_type=device_type
+        )
         module = args.build()
     torch.manual_seed(0)
     with torch.no_grad():

@@ -47,29 +47,15 @@ def restore_functions():
 def converted_model(model: str, names: list[str], era: str, device_type="cpu"):
     """The debug model with ``names`` applied the era's way, and the counts."""
     args = copy.deepcopy(um.model_args(model, "debugmodel", era))
-    counts = []
     if era == "trainspec":
         module = native_model(model, args, era)
-        for name in names:
-            counts.append(
-                converters.apply_to_module(
-                    module,
-                    converters.get(name),
-                    era=era,
-                    model_name=model,
-                    device_type=device_type,
-                )
-            )
-        return module, counts
-    for name in names:
-        args, count = converters.apply_to_config(
-            args,
-            converters.get(name),
-            era=era,
-            model_name=model,
-            device_type=device_type,
+        _, counts = converters.apply_named(
+            module, names, era=era, model_name=model, device_type=device_type
         )
-        counts.append(count)
+        return module, counts
+    args, counts = converters.apply_named(
+        args, names, era=era, model_name=model, device_type=device_type
+    )
     return native_model(model, args, era), counts
 
 

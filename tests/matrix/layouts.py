@@ -155,4 +155,19 @@ LAYOUTS += [
     ),
 ]
 
+# Kernel converters (torchtitan_npu/converters) under sharding: checked against
+# the unconverted single-device reference.
+_CONVERTERS = {"model.converters": "rms_norm,rope,attention,swiglu"}
+_CONVERTERS_PP = _pipeline("1F1B")
+LAYOUTS += [
+    Layout("converters_fsdp", 2, {**_degrees(dp_shard=2), **_CONVERTERS}),
+    Layout("converters_fsdp_tp", 4, {**_degrees(dp_shard=2, tp=2), **_CONVERTERS}),
+    Layout(
+        "converters_pp_1f1b",
+        2,
+        {**_CONVERTERS_PP["overrides"], **_CONVERTERS},
+        known_issues=_CONVERTERS_PP["known_issues"],
+    ),
+]
+
 BY_NAME = {layout.name: layout for layout in LAYOUTS}

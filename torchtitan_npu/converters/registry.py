@@ -212,6 +212,33 @@ def apply_to_config(
     return model_config, count
 
 
+def apply_named(
+    target, names: list[str], *, era: str, model_name: str, device_type: str
+):
+    """Apply converters by name, in order, the era's way: to a built model
+    (TrainSpec) or a model config (config registry). Returns (target, counts)."""
+    counts = []
+    for converter in check(names, era=era, model_name=model_name):
+        if era == "trainspec":
+            count = apply_to_module(
+                target,
+                converter,
+                era=era,
+                model_name=model_name,
+                device_type=device_type,
+            )
+        else:
+            target, count = apply_to_config(
+                target,
+                converter,
+                era=era,
+                model_name=model_name,
+                device_type=device_type,
+            )
+        counts.append(count)
+    return target, counts
+
+
 def _report(converter: Converter, model_name: str, count: int) -> None:
     if count:
         logger.info(
