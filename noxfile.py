@@ -104,8 +104,8 @@ def matrix(session):
 # upstream, and the core layouts on the newest of the other era.
 CI_MATRIX = {
     DEFAULT: "single,ddp,fsdp,hsdp,tp,fsdp_tp,pp_1f1b,pp_fsdp,cp,fsdp_ac_selective,"
-    "qwen2_single,qwen2_fsdp,qwen2_tp,qwen2_pp_1f1b",
-    "0.2.2": "single,ddp,fsdp,tp,pp_1f1b,cp,qwen2_fsdp,qwen2_pp_1f1b",
+    "qwen2_single,qwen2_fsdp,qwen2_tp,qwen2_pp_1f1b,converters_fsdp_tp",
+    "0.2.2": "single,ddp,fsdp,tp,pp_1f1b,cp,qwen2_fsdp,qwen2_pp_1f1b,converters_fsdp",
 }
 
 
