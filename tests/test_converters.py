@@ -23,7 +23,7 @@ from torchtitan_npu.converters.registry import ConverterError, converted_class
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 
 MODELS = ["llama3", "qwen3", "deepseek_v3"]
-NAMES = ["rms_norm", "rope", "attention", "swiglu", "grouped_mm"]
+NAMES = ["rms_norm", "rope", "attention", "swiglu", "grouped_mm", "token_permute"]
 TOLERANCE = 1e-5  # fp32; only attention (SDPA vs FlexAttention) is not bit-exact
 
 
@@ -57,6 +57,13 @@ def converted_model(model: str, names: list[str], era: str, device_type="cpu"):
         args, names, era=era, model_name=model, device_type=device_type
     )
     return native_model(model, args, era), counts
+
+
+def converter_names(module) -> set[str]:
+    """The converters whose classes the model's modules and MoE dispatchers use."""
+    parts = list(module.modules())
+    parts += [getattr(m, "token_dispatcher", None) for m in parts]
+    return {getattr(part, "converter", None) for part in parts} - {None}
 
 
 def forward_backward(module, era: str):
@@ -104,15 +111,17 @@ def runs_forward(model: str, era: str) -> bool:
 @pytest.mark.parametrize("model", MODELS)
 def test_converted_model_matches_upstream(model, name, era, reference):
     converter = converters.get(name)
+    if not converter.models(era):
+        pytest.skip(f"{name} is not available in this era")
     if model not in converter.models(era):
         pytest.skip(f"{name} does not apply to {model} (no such layers)")
     if not runs_forward(model, era):
         pytest.skip("0.2.x deepseek_v3 cannot run forward on CPU (torch.histc int64)")
-    if name == "grouped_mm" and model == "qwen3":
+    if name in ("grouped_mm", "token_permute") and model == "qwen3":
         pytest.skip("qwen3 debugmodel is dense; see test_replaced_nothing_warns")
     module, (count,) = converted_model(model, [name], era)
     assert count > 0
-    assert any(getattr(m, "converter", None) == name for m in module.modules()) or (
+    assert name in converter_names(module) or (
         name == "rope" and era == "trainspec"  # a function, not a module class
     )
     state, logits, grads = reference(model)
@@ -126,10 +135,14 @@ def test_converted_model_matches_upstream(model, name, era, reference):
         assert forward == 0.0
 
 
-def test_all_converters_together(era, reference):
-    module, counts = converted_model("llama3", NAMES[:4], era)
-    assert all(counts)
-    state, logits, grads = reference("llama3")
+@pytest.mark.parametrize("model", ["llama3", "deepseek_v3"])
+def test_all_converters_together(model, era, reference):
+    if not runs_forward(model, era):
+        pytest.skip("0.2.x deepseek_v3 cannot run forward on CPU (torch.histc int64)")
+    names = [n for n in NAMES if model in converters.get(n).models(era)]
+    module, counts = converted_model(model, names, era)
+    assert all(counts) and converter_names(module) >= set(names) - {"rope"}
+    state, logits, grads = reference(model)
     module.load_state_dict(state)
     conv_logits, conv_grads = forward_backward(module, era)
     assert (conv_logits - logits).abs().max().item() <= TOLERANCE
@@ -165,6 +178,41 @@ def test_grouped_experts_module_matches_upstream_loop(era):
     if era == "trainspec":  # upstream's fp32 loop vs the converter in fp32
         torch.testing.assert_close(actual, expected, rtol=0, atol=TOLERANCE)
     else:  # both bf16 grouped GEMMs (upstream's casts kept)
+        assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [1, 3, 6])
+def test_token_permute_matches_upstream_dispatch(top_k, dtype, era):
+    """Dispatch and combine, forward and backward, bit for bit (0.3.x)."""
+    if era == "trainspec":
+        pytest.skip("0.2.x permutes inside MoE.forward: no token_permute there")
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    (replacement, _) = converters.get("token_permute").replacements[era]
+    converted_cls = converted_class(
+        LocalTokenDispatcher, replacement, "token_permute", "cpu", era
+    )
+    generator = torch.Generator().manual_seed(top_k)
+    tokens, experts, dim = 40, 8, 16
+    expert_ids = torch.stack(
+        [torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]
+    )
+    counts = torch.bincount(expert_ids.view(-1), minlength=experts)
+    x = torch.randn(tokens, dim, generator=generator).to(dtype)
+    scores = torch.rand(tokens, top_k, generator=generator)
+
+    def run(cls):
+        dispatcher = cls(cls.Config(num_experts=experts, top_k=top_k))
+        x_in, scores_in = x.clone().requires_grad_(), scores.clone().requires_grad_()
+        routed, routed_counts, metadata = dispatcher.dispatch(
+            x_in, scores_in, expert_ids, counts
+        )
+        out = dispatcher.combine(routed * 2 + 1, metadata, x_in)
+        out.float().pow(2).sum().backward()
+        return routed, routed_counts, out, x_in.grad, scores_in.grad
+
+    for expected, actual in zip(run(LocalTokenDispatcher), run(converted_cls)):
         assert torch.equal(actual, expected)
 
 
@@ -210,6 +258,16 @@ class RecordingTorchNpu(types.ModuleType):
     def npu_grouped_matmul(self, x, weight, **kwargs):
         self._record("npu_grouped_matmul", (x, weight), kwargs)
         return [kernels.grouped_mm_loop(x[0], weight[0], kwargs["group_list"])]
+
+    def npu_moe_token_permute(self, tokens, indices):
+        self._record("npu_moe_token_permute", (tokens, indices), {})
+        return kernels.permute_native(tokens, indices)
+
+    def npu_moe_token_unpermute(self, permuted_tokens, sorted_indices, probs):
+        self._record(
+            "npu_moe_token_unpermute", (permuted_tokens, sorted_indices, probs), {}
+        )
+        return kernels.unpermute_native(permuted_tokens, sorted_indices, probs)
 
 
 @pytest.fixture
@@ -258,6 +316,17 @@ def test_npu_kernels_call_torch_npu(torch_npu):
     modes = (kwargs["split_item"], kwargs["group_type"], kwargs["group_list_type"])
     assert modes == (2, 0, 0)
 
+    tokens = torch.randn(6, 4, dtype=torch.bfloat16)
+    expert_ids = torch.randint(8, (6, 2))
+    routed, rows = kernels.permute_npu(tokens, expert_ids)
+    name, args, _ = torch_npu.calls[-1]
+    assert name == "npu_moe_token_permute" and args == (tokens, expert_ids)
+    probs = torch.rand(6, 2)
+    kernels.unpermute_npu(routed, rows, probs)
+    name, (permuted, sorted_indices, weights), _ = torch_npu.calls[-1]
+    assert permuted is routed and sorted_indices is rows
+    assert weights.dtype == torch.bfloat16 and torch.equal(weights, probs.bfloat16())
+
 
 def test_npu_kernels_leave_dtensors_to_native(torch_npu, tmp_path):
     import torch.distributed as dist
@@ -304,6 +373,17 @@ def test_converted_model_on_npu_calls_each_kernel(model, era, torch_npu):
     }
 
 
+def test_converted_moe_model_on_npu_calls_each_kernel(era, torch_npu):
+    if era == "trainspec":
+        pytest.skip("0.2.x deepseek_v3 cannot run forward on CPU (torch.histc int64)")
+    module, counts = converted_model("deepseek_v3", NAMES, era, device_type="npu")
+    assert all(counts)
+    forward_backward(module, era)
+    assert {name for name, _, _ in torch_npu.calls} == {
+        *(op for name in NAMES for op in converters.get(name).npu_ops)
+    }
+
+
 # --- errors ----------------------------------------------------------------------
 
 
@@ -319,6 +399,9 @@ def test_unsupported_model_is_an_error(era):
         converters.check(["grouped_mm"], era=era, model_name="llama3")
     with pytest.raises(ConverterError, match="does not support model 'qwen2'"):
         converters.check(["rms_norm"], era=era, model_name="qwen2")
+    if era == "trainspec":
+        with pytest.raises(ConverterError, match="not available in era trainspec"):
+            converters.check(["token_permute"], era=era, model_name="deepseek_v3")
 
 
 def test_attention_refuses_context_parallel(era):

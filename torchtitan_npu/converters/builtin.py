@@ -1,4 +1,5 @@
-"""The built-in converters: rms_norm, rope, attention, swiglu, grouped_mm.
+"""The built-in converters: rms_norm, rope, attention, swiglu, grouped_mm,
+token_permute.
 
 Each converter lists, per upstream era, the classes or functions it replaces
 and the models whose code uses them. The replacements keep upstream's
@@ -6,6 +7,7 @@ arithmetic (dtype casts included) and swap only the op for the device kernel.
 """
 
 import sys
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -379,6 +381,72 @@ register(
         notes=(
             "TrainSpec era: experts compute in the parameters' dtype (upstream's "
             "grouped path casts to bf16); 0.3.x keeps upstream's bf16 casts.",
+        ),
+    )
+)
+
+
+# token_permute ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PermuteMetadata:
+    """What ``combine`` needs from ``dispatch``: each route's row, its score."""
+
+    rows_N: torch.Tensor  # noqa: N815
+    topk_scores_TK: torch.Tensor  # noqa: N815
+
+
+def _token_dispatcher_03(kernel, original):
+    """0.3.x token dispatchers without expert parallelism (``ep_mesh`` unset):
+    dispatch and combine. With an EP mesh, upstream's all-to-all path runs."""
+
+    def dispatch(
+        self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
+    ):
+        if getattr(self, "ep_mesh", None) is not None:
+            return original.dispatch(
+                self,
+                x_TD,
+                topk_scores_TK,
+                topk_expert_ids_TK,
+                num_local_tokens_per_expert_E,
+            )
+        routed_input_RD, rows_N = kernel.permute(x_TD, topk_expert_ids_TK)
+        metadata = PermuteMetadata(rows_N=rows_N, topk_scores_TK=topk_scores_TK)
+        return routed_input_RD, num_local_tokens_per_expert_E, metadata
+
+    def combine(self, routed_output_RD, metadata, x_TD):
+        if not isinstance(metadata, PermuteMetadata):
+            return original.combine(self, routed_output_RD, metadata, x_TD)
+        return kernel.unpermute(
+            routed_output_RD, metadata.rows_N, metadata.topk_scores_TK
+        )
+
+    return {"dispatch": dispatch, "combine": combine}
+
+
+def _dispatcher(name: str) -> Replacement:
+    module = "torchtitan.models.common.token_dispatcher"
+    return Replacement(f"{module}:{name}", MOE_MODELS, _token_dispatcher_03)
+
+
+register(
+    Converter(
+        name="token_permute",
+        description="MoE token dispatch/combine: grouping by expert and back",
+        kernel="token_permute",
+        npu_ops=("npu_moe_token_permute", "npu_moe_token_unpermute"),
+        native="argsort + index_select; index_select + weighted sum",
+        replacements={
+            CONFIG_REGISTRY: (
+                _dispatcher("LocalTokenDispatcher"),
+                _dispatcher("AllToAllTokenDispatcher"),  # the default; EP=1 is local
+            ),
+        },
+        notes=(
+            "0.3.x only: 0.2.x permutes inside MoE.forward, with no seam to swap.",
+            "With expert parallelism, upstream's all-to-all dispatch runs unchanged.",
         ),
     )
 )

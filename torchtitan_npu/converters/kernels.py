@@ -11,6 +11,7 @@ even on npu: torch_npu's fused ops have no DTensor sharding rules.
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -184,10 +185,62 @@ def grouped_mm_npu(a, b_t, offs):
     )[0]
 
 
-KERNELS: dict[str, dict[str, Callable]] = {
+# token_permute: MoE tokens grouped by expert, and back ----------------------------
+# permute(tokens_TD, expert_ids_TK) -> (routed_ND, rows_N): the (token, k) routes
+# grouped by expert (stable), and for each route (flattened T*K order) its row in
+# routed_ND (int32). unpermute(routed_ND, rows_N, probs_TK) -> out_TD: each token's
+# routed rows weighted by its routing probabilities and summed. The native pair
+# reproduces upstream's dispatch/combine bit for bit (fp32 and bf16, CPU).
+
+
+class TokenPermute(NamedTuple):
+    permute: Callable
+    unpermute: Callable
+
+
+def permute_native(tokens, expert_ids):
+    top_k = expert_ids.shape[-1] if expert_ids.dim() == 2 else 1
+    order = torch.argsort(expert_ids.reshape(-1), stable=True)
+    rows = torch.empty_like(order)
+    rows[order] = torch.arange(order.numel(), device=order.device)
+    # indexing, as upstream: its backward accumulates x's gradient the same way
+    return tokens[order // top_k], rows.to(torch.int32)
+
+
+def unpermute_native(routed, rows, probs):
+    num_tokens, top_k = probs.shape
+    # each token's routes in row (= expert) order: upstream's summation order
+    token_rows, order = rows.view(num_tokens, top_k).sort(dim=1)
+    per_token = routed.index_select(0, token_rows.reshape(-1))
+    per_token = per_token.view(num_tokens, top_k, -1)
+    # upstream's arithmetic: weights applied in fp32, then back to the dtype
+    weights = probs.gather(1, order).unsqueeze(-1)
+    weighted = (per_token.float() * weights).to(routed.dtype).float()
+    out = weighted[:, 0]
+    for k in range(1, top_k):  # fp32 accumulation, as upstream's scatter_add
+        out = out + weighted[:, k]
+    return out.to(routed.dtype)
+
+
+@_npu(permute_native)
+def permute_npu(tokens, expert_ids):
+    return _torch_npu().npu_moe_token_permute(tokens, expert_ids)
+
+
+@_npu(unpermute_native)
+def unpermute_npu(routed, rows, probs):
+    # the kernel weights in the tokens' dtype (bf16 on some CANN releases)
+    return _torch_npu().npu_moe_token_unpermute(routed, rows, probs.to(routed.dtype))
+
+
+KERNELS: dict[str, dict[str, Callable | TokenPermute]] = {
     "rms_norm": {"native": rms_norm_native, "npu": rms_norm_npu},
     "rotary": {"native": rotary_native, "npu": rotary_npu},
     "attention": {"native": attention_native, "npu": attention_npu},
     "swiglu": {"native": swiglu_native, "npu": swiglu_npu},
     "grouped_mm": {"native": grouped_mm_native, "npu": grouped_mm_npu},
+    "token_permute": {
+        "native": TokenPermute(permute_native, unpermute_native),
+        "npu": TokenPermute(permute_npu, unpermute_npu),
+    },
 }

@@ -67,7 +67,7 @@ class Converter:
     def for_model(self, era: str, model_name: str) -> list[Replacement]:
         return [r for r in self.replacements.get(era, ()) if model_name in r.models]
 
-    def implementation(self, device_type: str) -> Callable:
+    def implementation(self, device_type: str) -> Any:
         return KERNELS[self.kernel][impl_for(device_type)]
 
 
@@ -106,6 +106,11 @@ def check(
     converters = [get(name) for name in names]
     for converter in converters:
         supported = converter.models(era)
+        if not supported:
+            raise ConverterError(
+                f"converter {converter.name!r} is not available in era {era}; "
+                f"it exists for {sorted(converter.replacements)}"
+            )
         if model_name not in supported:
             raise ConverterError(
                 f"converter {converter.name!r} does not support model "
