@@ -419,6 +419,18 @@ def test_replaced_nothing_warns(era, caplog):
     assert "converter grouped_mm replaced nothing in model qwen3" in caplog.text
 
 
+def test_doctor_lists_every_converter(era):
+    from torchtitan_npu.tools.doctor import converter_table
+
+    cpu, npu = converter_table(era, "cpu"), converter_table(era, "npu")
+    for name in NAMES:
+        converter = converters.get(name)
+        (row,) = [line for line in cpu.splitlines() if line.startswith(name + " ")]
+        assert converter.native in row
+        assert ", ".join(converter.models(era)) in row
+        assert all(f"torch_npu.{op}" in npu for op in converter.npu_ops)
+
+
 def test_names_from_the_command_line():
     assert converters.parse_names("rms_norm, rope") == ["rms_norm", "rope"]
     assert converters.parse_names(["swiglu"]) == ["swiglu"]

@@ -437,7 +437,7 @@ register(
         description="MoE token dispatch/combine: grouping by expert and back",
         kernel="token_permute",
         npu_ops=("npu_moe_token_permute", "npu_moe_token_unpermute"),
-        native="argsort + index_select; index_select + weighted sum",
+        native="stable argsort + indexing; gather + weighted sum",
         replacements={
             CONFIG_REGISTRY: (
                 _dispatcher("LocalTokenDispatcher"),

@@ -75,5 +75,6 @@ def converter_table(era: str, device_type: str) -> str:
             if impl_for(device_type) == "npu"
             else converter.native
         )
-        rows.append([name, ", ".join(converter.models(era)), kernel])
+        models = ", ".join(converter.models(era)) or f"(none: not in era {era})"
+        rows.append([name, models, kernel])
     return format_table(["name", "models", f"kernel on {device_type}"], rows)
