@@ -6,6 +6,7 @@ from torchtitan_npu.converters.registry import (
     Converter,
     ConverterError,
     Replacement,
+    all_converters,
     apply_named,
     apply_to_config,
     apply_to_module,
@@ -20,6 +21,7 @@ __all__ = [
     "Converter",
     "ConverterError",
     "Replacement",
+    "all_converters",
     "apply_named",
     "apply_to_config",
     "apply_to_module",
@@ -28,9 +30,3 @@ __all__ = [
     "parse_names",
     "restore_functions",
 ]
-
-
-def all_converters() -> dict[str, Converter]:
-    from torchtitan_npu.converters import builtin  # noqa: F401  (registers)
-
-    return CONVERTERS

@@ -90,9 +90,15 @@ def parse_names(value: str | list[str] | None) -> list[str]:
     return list(value)
 
 
+def all_converters() -> dict[str, Converter]:
+    """Every registered converter, the built-in ones included."""
+    from torchtitan_npu.converters import builtin  # noqa: F401  (registers)
+
+    return CONVERTERS
+
+
 def get(name: str) -> Converter:
-    _load_builtin()
-    if name not in CONVERTERS:
+    if name not in all_converters():
         raise ConverterError(
             f"unknown converter {name!r}; known converters: {sorted(CONVERTERS)}"
         )
@@ -121,10 +127,6 @@ def check(
                 f"converter {converter.name!r} does not support context parallelism"
             )
     return converters
-
-
-def _load_builtin() -> None:
-    from torchtitan_npu.converters import builtin  # noqa: F401  (registers)
 
 
 def _resolve(spec: str) -> tuple[Any, str, Any]:

@@ -8,6 +8,8 @@ before parallelization.
 
 from torchtitan_npu.converters.registry import (
     Converter,
+    ConverterError,
+    all_converters,
     apply_to_module,
     check,
     parse_names,
@@ -46,8 +48,6 @@ def model_converter_class(converter: Converter, device_type: str) -> type:
 
 
 def model_converter_classes(device_type: str) -> dict[str, type]:
-    from torchtitan_npu.converters import all_converters
-
     return {
         name: model_converter_class(converter, device_type)
         for name, converter in all_converters().items()
@@ -61,9 +61,6 @@ def checked_names(value, *, model_name: str, context_parallel: bool) -> list[str
     """
     import torchtitan.components.quantization  # noqa: F401  (registers its names)
     from torchtitan.protocols import model_converter
-
-    from torchtitan_npu.converters import all_converters
-    from torchtitan_npu.converters.registry import ConverterError
 
     names = parse_names(value)
     ours = [n for n in names if n in all_converters()]

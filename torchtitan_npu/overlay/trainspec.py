@@ -151,9 +151,8 @@ CONVERTERS = Patch(
     target="torchtitan.protocols.model_converter:register_model_converter",
     kind="inject",
     reason=(
-        "registers titan-npu's kernel converters (torchtitan_npu.converters: "
-        "rms_norm, rope, attention, swiglu, grouped_mm) as model converters, "
-        "applied by name from model.converters."
+        "registers titan-npu's kernel converters (torchtitan_npu.converters) "
+        "as model converters, applied by name from model.converters."
     ),
     eras=("trainspec",),
     apply=_apply_converters,
