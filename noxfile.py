@@ -1,10 +1,14 @@
-"""Sessions: lint, tests (the locked env), upstream (one env per upstream.lock
-entry), matrix (every locked upstream x every parallel layout), matrix_ci
-(CI's share of it), docs. `uv run nox` runs lint, tests, the upstream
-sessions of the non-default lock entries, and matrix_ci."""
+"""Sessions: lint, tests (the locked env), dist (the built wheel in a clean
+venv), upstream (one env per upstream.lock entry), matrix (every locked
+upstream x every parallel layout), matrix_ci (CI's share of it), docs.
+`uv run nox` runs lint, tests, dist, the upstream sessions of the non-default
+lock entries, and matrix_ci."""
 
 import os
+import shutil
+import tempfile
 import tomllib
+import zipfile
 from pathlib import Path
 
 import nox
@@ -18,6 +22,7 @@ DEFAULT = next(entry["version"] for entry in LOCK if entry["default"])
 nox.options.sessions = [
     "lint",
     "tests",
+    "dist",
     *(f"upstream(version='{v}')" for v in VERSIONS if v != DEFAULT),
     "matrix_ci",
 ]
@@ -64,6 +69,53 @@ def lint(session):
 def tests(session):
     """Unit + end-to-end tests in the locked environment (default upstream)."""
     session.run("uv", "run", "--frozen", "pytest", "-n", "2", *session.posargs)
+
+
+def wheel_files(wheel: Path) -> dict[str, str]:
+    """``{path: sha256 from RECORD}`` of a wheel (RECORD itself excluded)."""
+    with zipfile.ZipFile(wheel) as archive:
+        record = next(n for n in archive.namelist() if n.endswith(".dist-info/RECORD"))
+        rows = [line.split(",") for line in archive.read(record).decode().split()]
+    return {row[0]: row[1] for row in rows if row[0] != record}
+
+
+@nox.session(venv_backend="none")
+def dist(session):
+    """Build wheel + sdist, install the wheel with the locked dependencies into
+    a fresh venv outside the repo, and use it from an empty directory."""
+    tmp = Path(tempfile.mkdtemp(prefix="titan-npu-dist-"))
+    direct, from_sdist = tmp / "direct", tmp / "from-sdist"
+    session.run("uv", "build", "--wheel", "--out-dir", str(direct), external=True)
+    # uv's default: the sdist first, then a wheel built from that sdist.
+    session.run("uv", "build", "--out-dir", str(from_sdist), external=True)
+    wheel = next(direct.glob("*.whl"))
+    files = wheel_files(wheel)
+    if files != wheel_files(next(from_sdist.glob("*.whl"))):
+        session.error("the wheel built from the sdist differs from the direct one")
+    with zipfile.ZipFile(wheel) as archive:
+        packaged = archive.read("torchtitan_npu/upstream.lock")
+    if packaged != (ROOT / "upstream.lock").read_bytes():
+        session.error("the wheel's upstream.lock is not the repository's")
+    configs = [f for f in files if f.endswith(".toml") and "train_configs" in f]
+    session.log(f"wheel: {len(files)} files, lock + {len(configs)} train configs")
+
+    venv, run = tmp / "venv", {"external": True}
+    session.run("uv", "venv", "--quiet", "--python", PYTHON, str(venv), **run)
+    requirements = tmp / "requirements.txt"
+    session.run(
+        "uv", "export", "--frozen", "--no-dev", "--no-emit-project",
+        "--quiet", "--output-file", str(requirements), **run,
+    )  # fmt: skip
+    pip = ["uv", "pip", "install", "--quiet", "--python", str(venv / "bin" / "python")]
+    session.run(*pip, "--require-hashes", "-r", str(requirements), **run)
+    session.run(*pip, "--no-deps", str(wheel), **run)
+    session.run(
+        venv / "bin" / "python", ROOT / "tests" / "dist" / "installed_check.py",
+        tmp / "work",
+        env={"TITAN_NPU_CACHE": str(tmp / "cache"), "TITAN_NPU_DEVICE": "cpu"},
+        **run,
+    )  # fmt: skip
+    shutil.rmtree(tmp)
 
 
 @nox.session(venv_backend="none")
@@ -140,5 +192,5 @@ def run_matrix(session: nox.Session, layouts: dict[str, str], args: list[str]):
 
 @nox.session(venv_backend="none")
 def docs(session):
-    """Regenerate docs/versioning_policy.md from upstream.lock."""
+    """Regenerate docs/versioning_policy.md and docs/patches.md."""
     session.run("uv", "run", "--frozen", "titan-npu", "compat", "docs")

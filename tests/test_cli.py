@@ -42,3 +42,18 @@ def test_bad_override_is_a_clear_error(capsys):
 
     assert main(["train", "--training.bogus_key", "1", "--bad"]) == 2
     assert "--section.key" in capsys.readouterr().err
+
+
+def test_version_names_upstream_lock_entry_torch_and_device(upstream):
+    result = subprocess.run(
+        [sys.executable, "-m", "torchtitan_npu.cli", "--version"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(None, 1) for line in result.stdout.splitlines())
+    assert set(lines) == {"titan-npu", "torchtitan", "torch", "torch_npu", "device"}
+    entry = upstream.entry
+    assert lines["torchtitan"].startswith(f"{entry.version} (upstream.lock: tested")
+    assert f"commit {entry.commit}" in lines["torchtitan"]
+    assert lines["device"].split()[0] in ("npu", "cuda", "cpu")

@@ -68,9 +68,10 @@ def _compat_record(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _compat_docs(args: argparse.Namespace, rest: list[str]) -> int:
-    from torchtitan_npu.tools.versioning import write_policy
+    from torchtitan_npu.tools.versioning import write_docs
 
-    print(f"wrote {write_policy()}")
+    for path in write_docs():
+        print(f"wrote {path}")
     return 0
 
 
@@ -110,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="titan-npu",
         description="Train upstream torchtitan on npu > cuda > cpu, fork-free.",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--version",
+        action="store_true",
+        help="titan-npu, upstream torchtitan, torch, torch_npu and device",
+    )
+    commands = parser.add_subparsers(dest="command")
 
     train = commands.add_parser(
         "train",
@@ -162,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
         "record", help="record the installed upstream's fingerprints in the lock"
     ).set_defaults(handler=_compat_record)
     compat_commands.add_parser(
-        "docs", help="regenerate docs/versioning_policy.md from upstream.lock"
+        "docs",
+        help="regenerate docs/versioning_policy.md (upstream.lock) and "
+        "docs/patches.md (the patch registry)",
     ).set_defaults(handler=_compat_docs)
 
     compare = commands.add_parser(
@@ -183,7 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "train":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if not args.version and args.command is None:
+        parser.error("a command is required (train, convert, doctor, ...)")
     try:
+        if args.version:
+            from torchtitan_npu.tools.doctor import version_report
+
+            print(version_report())
+            return 0
         return args.handler(args, rest)
     except ValueError as e:  # ConfigError and other user-facing errors
         print(f"titan-npu: error: {e}", file=sys.stderr)

@@ -10,6 +10,7 @@ from torchtitan_npu.compat.detect import (
     installed_upstream,
 )
 from torchtitan_npu.compat.lock import (
+    LockError,
     UpstreamEntry,
     default_entry,
     lock_path,
@@ -48,7 +49,7 @@ def find_entry(
         if entry.version != installed.version:
             continue
         # A git install must be the locked commit, not any commit of that version.
-        if installed.commit and not installed.commit.startswith(entry.commit):
+        if installed.commit and installed.commit != entry.commit:
             continue
         return entry
     return None
@@ -79,6 +80,7 @@ def resolve_upstream(
 __all__ = [
     "ALLOW_UNTESTED_ENV",
     "InstalledUpstream",
+    "LockError",
     "Upstream",
     "UpstreamEntry",
     "UpstreamNotInstalled",

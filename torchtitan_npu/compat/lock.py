@@ -1,5 +1,11 @@
-"""Read and write upstream.lock: the tested upstream torchtitan snapshots."""
+"""Read and write upstream.lock: the tested upstream torchtitan snapshots.
 
+The lock ships inside the wheel (``torchtitan_npu/upstream.lock``, packaged
+from the repository root's file); a source checkout reads the root file.
+"""
+
+import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,9 +16,17 @@ LOCK_HEADER = """\
 # One [[upstream]] table per snapshot. `fingerprints` holds, per overlay patch
 # target, the sha256 (16 hex) of its source in that snapshot; refresh them with
 # `titan-npu compat record` after verifying the patches against a new release.
-# docs/versioning_policy.md is generated from this file (`nox -s docs`).
+# `commit` is the release tag's full git commit, or "unknown" (then `notes`
+# says why, and the wheel sha256 is the snapshot's identity).
+# docs/versioning_policy.md is generated from this file (`titan-npu compat docs`).
 """
 STATUSES = ("tested", "experimental")
+UNKNOWN_COMMIT = "unknown"
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+class LockError(ValueError):
+    """upstream.lock is missing, unreadable or malformed."""
 
 
 @dataclass(frozen=True)
@@ -20,7 +34,7 @@ class UpstreamEntry:
     """One tested upstream snapshot."""
 
     version: str
-    commit: str
+    commit: str  # 40-hex release-tag commit, or "unknown"
     wheel_sha256: str
     torch: str  # the paired torch pin
     era: str
@@ -43,45 +57,132 @@ class UpstreamEntry:
         }
 
 
+def lock_candidates() -> list[Path]:
+    """Where the lock may be: inside the installed package, or a checkout's root."""
+    package = Path(__file__).resolve().parent.parent
+    return [package / LOCK_NAME, package.parent / LOCK_NAME]
+
+
 def lock_path() -> Path:
     """upstream.lock inside the wheel, or at the repo root of a source checkout."""
-    here = Path(__file__).resolve().parent.parent
-    for candidate in (here / LOCK_NAME, here.parent / LOCK_NAME):
-        if candidate.exists():
+    candidates = lock_candidates()
+    for candidate in candidates:
+        if candidate.is_file():
             return candidate
-    raise FileNotFoundError(f"{LOCK_NAME} not found next to {here}")
+    raise LockError(
+        f"{LOCK_NAME} not found (looked at {', '.join(map(str, candidates))}): "
+        "the titan-npu install is incomplete; reinstall it"
+    )
 
 
 def read_lock(path: Path | None = None) -> list[UpstreamEntry]:
-    data = tomllib.loads((path or lock_path()).read_text())
-    entries = [UpstreamEntry(**raw) for raw in data.get("upstream", [])]
-    _validate(entries)
+    """Every entry of the lock; a ``LockError`` names the file and each problem."""
+    path = path or lock_path()
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise LockError(f"{path}: unreadable ({e.strerror or e})") from e
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise LockError(f"{path}: not valid TOML ({e})") from e
+    raw_entries = data.get("upstream")
+    if not isinstance(raw_entries, list) or not raw_entries:
+        raise LockError(f"{path}: no [[upstream]] entries")
+    entries, problems = [], []
+    for index, raw in enumerate(raw_entries):
+        entry, entry_problems = _parse_entry(raw)
+        name = raw.get("version", f"#{index + 1}") if isinstance(raw, dict) else index
+        problems += [f"entry {name}: {p}" for p in entry_problems]
+        if entry is not None:
+            entries.append(entry)
+    problems += validate(entries) if not problems else []
+    if problems:
+        raise LockError(f"{path}: " + "; ".join(problems))
     return entries
 
 
 def write_lock(entries: list[UpstreamEntry], path: Path | None = None) -> None:
     import tomli_w
 
-    _validate(entries)
+    path = path or lock_path()
+    problems = validate(entries)
+    if problems:
+        raise LockError(f"{path}: not written: " + "; ".join(problems))
     body = tomli_w.dumps({"upstream": [e.to_toml() for e in entries]})
-    (path or lock_path()).write_text(LOCK_HEADER + "\n" + body)
+    path.write_text(LOCK_HEADER + "\n" + body)
 
 
 def default_entry(entries: list[UpstreamEntry]) -> UpstreamEntry:
     return next(e for e in entries if e.default)
 
 
-def _validate(entries: list[UpstreamEntry]) -> None:
+_FIELD_TYPES = {
+    f.name: (dict if f.name == "fingerprints" else f.type)
+    for f in dataclasses.fields(UpstreamEntry)
+}
+_REQUIRED = [
+    f.name
+    for f in dataclasses.fields(UpstreamEntry)
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+]
+
+
+def _parse_entry(raw: object) -> tuple[UpstreamEntry | None, list[str]]:
+    """Field names and types of one ``[[upstream]]`` table."""
+    if not isinstance(raw, dict):
+        return None, ["not a table"]
+    problems = []
+    unknown = sorted(set(raw) - set(_FIELD_TYPES))
+    if unknown:
+        problems.append(f"unknown field(s) {unknown}")
+    missing = [name for name in _REQUIRED if name not in raw]
+    if missing:
+        problems.append(f"missing field(s) {missing}")
+    for name, kind in _FIELD_TYPES.items():
+        if name in raw and not isinstance(raw[name], kind):
+            problems.append(f"{name} must be a {kind.__name__}, not {raw[name]!r}")
+    if problems:
+        return None, problems
+    return UpstreamEntry(**raw), []
+
+
+def _is_hex(text: str, length: int) -> bool:
+    return len(text) == length and _HEX.fullmatch(text) is not None
+
+
+def validate(entries: list[UpstreamEntry]) -> list[str]:
+    """Every problem of a list of entries (empty when the lock is sound)."""
     from torchtitan_npu.overlay import ERAS
 
+    problems = []
     defaults = [e.version for e in entries if e.default]
     if len(defaults) != 1:
-        raise ValueError(f"{LOCK_NAME}: exactly one default entry, found {defaults}")
+        problems.append(f"exactly one default entry is needed, found {defaults}")
     versions = [e.version for e in entries]
-    if len(set(versions)) != len(versions):
-        raise ValueError(f"{LOCK_NAME}: duplicate versions in {versions}")
+    duplicated = sorted({v for v in versions if versions.count(v) > 1})
+    if duplicated:
+        problems.append(f"duplicate versions {duplicated}")
     for e in entries:
+        where = f"entry {e.version}"
         if e.era not in ERAS:
-            raise ValueError(f"{LOCK_NAME}: {e.version} has unknown era {e.era!r}")
+            problems.append(f"{where}: unknown era {e.era!r} (known: {list(ERAS)})")
         if e.status not in STATUSES:
-            raise ValueError(f"{LOCK_NAME}: {e.version} has status {e.status!r}")
+            problems.append(f"{where}: status {e.status!r} (known: {list(STATUSES)})")
+        if e.commit != UNKNOWN_COMMIT and not _is_hex(e.commit, 40):
+            problems.append(
+                f"{where}: commit {e.commit!r} is neither 40 lowercase hex digits "
+                f"nor {UNKNOWN_COMMIT!r}"
+            )
+        if e.commit == UNKNOWN_COMMIT and not e.notes:
+            problems.append(f"{where}: commit is unknown; say why in notes")
+        # A new entry from `compat record` is experimental until its hash is set.
+        if not (e.status == "experimental" and not e.wheel_sha256) and not _is_hex(
+            e.wheel_sha256, 64
+        ):
+            problems.append(
+                f"{where}: wheel_sha256 {e.wheel_sha256!r} is not 64 lowercase hex "
+                "digits"
+            )
+        bad = sorted(t for t, f in e.fingerprints.items() if not _is_hex(str(f), 16))
+        if bad:
+            problems.append(f"{where}: fingerprints not 16 hex digits for {bad}")
+    return problems

@@ -54,6 +54,15 @@ DEVICE = Patch(
         "current_device for barrier(device_ids=...)) and rebinds every copy."
     ),
     eras=ALL_ERAS,
+    upstream_ref=(
+        "none upstream: torchtitan's device choice is CUDA-first by design "
+        '(`_get_available_device_type() or "cuda"` in torchtitan/tools/utils.py); no'
+        " CPU/NPU selection hook exists"
+    ),
+    remove_when=(
+        "upstream selects the device through an overridable hook (or falls back to "
+        "cpu) in every locked release"
+    ),
     apply=_apply_device,
     skip=_skip_device,
 )
@@ -102,6 +111,14 @@ FSDP_SUM_REDUCTION = Patch(
         "force_sum_reduction_for_comms path)."
     ),
     eras=ALL_ERAS,
+    upstream_ref=(
+        "pytorch/pytorch#155915 (FSDP2 force_sum_reduction_for_comms); torchtitan does"
+        " not expose the flag"
+    ),
+    remove_when=(
+        "torchtitan sets force_sum_reduction_for_comms for gloo/hccl meshes, or gloo "
+        "and HCCL implement AVG and PREMUL_SUM"
+    ),
     apply=_apply_sum_reduction,
     skip=_skip_sum_reduction,
 )
@@ -132,6 +149,14 @@ FLEX_CPU_BACKWARD = Patch(
         "the eager_flex_attention patch) has a math backward and trains."
     ),
     eras=ALL_ERAS,
+    upstream_ref=(
+        "pytorch/pytorch#139434 (CPU support for FlexAttention), "
+        "pytorch/pytorch#169646 (the CPU backward refusal)"
+    ),
+    remove_when=(
+        "torch ships a FlexAttention backward on CPU (compiled or eager) in the paired"
+        " torch of every locked release"
+    ),
     apply=_apply_flex_cpu_backward,
     skip=skip_unless_cpu,
 )
@@ -156,6 +181,14 @@ HCCL_SUM_ONLY = Patch(
         "not implement; reduces with SUM and divides by the group size instead."
     ),
     eras=ALL_ERAS,
+    upstream_ref=(
+        "none upstream: HCCL has no ReduceOp.AVG (Ascend CANN collective docs); "
+        "torchtitan's dist_mean assumes NCCL"
+    ),
+    remove_when=(
+        "torch_npu's HCCL process group implements ReduceOp.AVG, or torchtitan's "
+        "dist_mean reduces with SUM"
+    ),
     apply=_apply_hccl_sum_only,
     skip=lambda ctx: None if ctx.backend == "hccl" else f"not hccl ({ctx.backend})",
 )
@@ -183,6 +216,13 @@ HCCL_ENV = Patch(
         "TORCH_HCCL_* / HCCL_* names. Copies each across at that moment."
     ),
     eras=ALL_ERAS,
+    upstream_ref=(
+        "none upstream: torch_npu names its flight-recorder variables TORCH_HCCL_* "
+        "(torch_npu docs); torchtitan sets TORCH_NCCL_*"
+    ),
+    remove_when=(
+        "torch_npu reads the TORCH_NCCL_* / TORCH_FR_* flight-recorder variables"
+    ),
     apply=_apply_hccl_env,
     skip=skip_unless_npu,
 )
@@ -209,6 +249,10 @@ ASCEND_PEAK_FLOPS = Patch(
         "MFU against an A100 elsewhere; adds the Ascend table (tools/flops.py)."
     ),
     eras=ALL_ERAS,
+    upstream_ref=(
+        "pytorch/torchtitan#1203 (the peak-FLOPs table; Ascend devices not in it)"
+    ),
+    remove_when="torchtitan's get_peak_flops knows the Ascend 910B/910_93/950 devices",
     apply=_apply_ascend_peak_flops,
     skip=skip_unless_npu,
 )
@@ -230,6 +274,13 @@ NPU_PROFILER = Patch(
         "(tools/npu_profiler.py), under upstream's profiling config."
     ),
     eras=ALL_ERAS,
+    upstream_ref=(
+        "none upstream: torch.profiler records no privateuse1 (NPU) kernels; torch_npu"
+        " ships its own profiler (torch_npu docs)"
+    ),
+    remove_when=(
+        "torch.profiler records NPU activities through the privateuse1 profiler hooks"
+    ),
     apply=_apply_npu_profiler,
     skip=skip_unless_npu,
 )
@@ -240,6 +291,8 @@ NPU_PROFILER_SCHEDULE = Patch(
     kind="replace",
     reason="the schedule torch_npu's profiler understands (see npu_profiler).",
     eras=ALL_ERAS,
+    upstream_ref="none upstream: pairs with npu_profiler",
+    remove_when="npu_profiler is removed",
     apply=_apply_npu_profiler,
     skip=skip_unless_npu,
 )

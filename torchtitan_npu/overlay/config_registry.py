@@ -45,6 +45,14 @@ EAGER_FLEX_ATTENTION = Patch(
         "CPU run needs the eager path."
     ),
     eras=("config_registry",),
+    upstream_ref=(
+        "pytorch/pytorch#139434 (compiled FlexAttention: no CPU backward); 0.3.x "
+        "rejects sdpa for language models"
+    ),
+    remove_when=(
+        "torch's compiled FlexAttention trains on CPU, or upstream lets CPU runs "
+        "choose sdpa"
+    ),
     apply=_apply_eager_flex,
     skip=skip_unless_cpu,
 )
@@ -76,6 +84,14 @@ def _hf_adapter(model: str) -> Patch:
             "declarative, coverage-checked HF mapping (state_dict_adapters)."
         ),
         eras=("config_registry",),
+        upstream_ref=(
+            "none upstream: titan-npu's own HF mapping (state_dict_adapters) replaces "
+            "the model's adapter; upstream's works but is not coverage-checked"
+        ),
+        remove_when=(
+            "never for titan-npu's own models; for upstream models once their adapters "
+            "check coverage and stream (then drop the wrap)"
+        ),
         apply=_apply_hf_adapter,
     )
 

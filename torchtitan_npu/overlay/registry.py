@@ -64,7 +64,10 @@ class Patch:
 
     ``apply(target, ctx)`` returns the changes to make. ``skip(ctx)`` returns a
     reason when the patch is not needed in this context (e.g. "not on cpu"), or
-    None when it must be applied.
+    None when it must be applied. ``upstream_ref`` names the upstream issue, PR
+    or commit behind the patch (or says why there is none); ``remove_when`` is
+    the condition under which the patch can be deleted. Both are shown by
+    ``titan-npu doctor`` and in docs/patches.md.
     """
 
     name: str
@@ -72,6 +75,8 @@ class Patch:
     kind: PatchKind
     reason: str
     eras: tuple[str, ...]
+    upstream_ref: str
+    remove_when: str
     apply: Callable[[Target, PatchContext], list[Change]]
     skip: Callable[[PatchContext], str | None] = field(default=lambda ctx: None)
 

@@ -44,6 +44,8 @@ EAGER_FLEX_ATTENTION = Patch(
         "and context parallelism need the eager path there."
     ),
     eras=("trainspec",),
+    upstream_ref="pytorch/pytorch#139434 (compiled FlexAttention: no CPU backward)",
+    remove_when="0.2.x era dropped, or torch's compiled FlexAttention trains on CPU",
     apply=_apply_eager_flex,
     skip=skip_unless_cpu,
 )
@@ -71,6 +73,11 @@ FLEX_MASK_DEVICE = Patch(
         "with a cuda/cpu device mismatch elsewhere. Passes the training device."
     ),
     eras=("trainspec",),
+    upstream_ref="pytorch/pytorch#169224 (create_block_mask defaults to device='cuda')",
+    remove_when=(
+        "0.2.x era dropped (0.3.x passes the device), or torch's create_block_mask "
+        "defaults to the current device"
+    ),
     apply=_apply_mask_device,
     skip=lambda ctx: "cuda is the default" if ctx.device_type == "cuda" else None,
 )
@@ -103,6 +110,11 @@ HF_ADAPTERS = Patch(
         "declarative, coverage-checked HF mappings (state_dict_adapters)."
     ),
     eras=("trainspec",),
+    upstream_ref=(
+        "none upstream: titan-npu's own HF mapping (state_dict_adapters) replaces the "
+        "model's adapter; upstream's works but is not coverage-checked"
+    ),
+    remove_when="0.2.x era dropped",
     apply=_apply_hf_adapters,
 )
 
@@ -128,6 +140,11 @@ QWEN2_MODEL = Patch(
         "train spec 'qwen2'."
     ),
     eras=("trainspec",),
+    upstream_ref=(
+        "none upstream: model injection (Qwen2 is not an upstream model); "
+        "register_train_spec is the documented extension point"
+    ),
+    remove_when="0.2.x era dropped",
     apply=_apply_qwen2,
 )
 
@@ -155,6 +172,11 @@ CONVERTERS = Patch(
         "as model converters, applied by name from model.converters."
     ),
     eras=("trainspec",),
+    upstream_ref=(
+        "none upstream: converter injection; register_model_converter is the "
+        "documented extension point"
+    ),
+    remove_when="0.2.x era dropped",
     apply=_apply_converters,
 )
 

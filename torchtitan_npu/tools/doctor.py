@@ -32,6 +32,62 @@ def cann_version() -> str:
     return "not found (no ASCEND_TOOLKIT_HOME / ASCEND_HOME_PATH)"
 
 
+def upstream_line() -> str:
+    """The installed torchtitan and what upstream.lock says of it (no import)."""
+    from torchtitan_npu.compat import (
+        UpstreamNotInstalled,
+        find_entry,
+        installed_upstream,
+        read_lock,
+    )
+
+    try:
+        installed = installed_upstream()
+    except UpstreamNotInstalled:
+        return "not installed"
+    entries = read_lock()
+    entry = find_entry(installed, entries)
+    if entry is None:
+        tested = ", ".join(e.version for e in entries)
+        return f"{installed.version} (NOT in upstream.lock; tested: {tested})"
+    default = ", default" if entry.default else ""
+    return (
+        f"{installed.version} (upstream.lock: {entry.status}{default}, era "
+        f"{entry.era}, commit {entry.commit}, wheel sha256 {entry.wheel_sha256[:12]})"
+    )
+
+
+def device_line() -> str:
+    """The device titan-npu would train on here, and its collective backend."""
+    from torchtitan_npu.distributed import (
+        TorchNpuLoadError,
+        backend_for,
+        load_torch_npu,
+        select_device_type,
+    )
+
+    try:
+        load_torch_npu()
+        device = select_device_type()
+    except (TorchNpuLoadError, ValueError) as e:
+        return f"unavailable: {str(e).splitlines()[0]}"
+    return f"{device} ({backend_for(device)})"
+
+
+def version_report() -> str:
+    """``titan-npu --version``: titan-npu, upstream, torch, torch_npu, device."""
+    from torchtitan_npu import __version__
+
+    rows = [
+        ("titan-npu", __version__),
+        ("torchtitan", upstream_line()),
+        ("torch", _version("torch")),
+        ("torch_npu", _version("torch-npu")),
+        ("device", device_line()),
+    ]
+    return "\n".join(f"{name:<11} {value}" for name, value in rows)
+
+
 def run() -> int:
     print(f"python      {sys.version.split()[0]} ({platform.platform()})")
     for dist in ("titan-npu", "torch", "torch-npu", "torchtitan"):
@@ -39,10 +95,13 @@ def run() -> int:
     print(f"CANN        {cann_version()}")
 
     from torchtitan_npu.bootstrap import activate
+    from torchtitan_npu.compat import LockError
     from torchtitan_npu.tools.compat_tool import status_table
 
     try:
         activation = activate()
+    except LockError:
+        raise  # one line from the CLI: the install itself is broken
     except Exception as e:  # report any refusal plainly, then the raw check
         print(f"\noverlay     NOT ACTIVE: {type(e).__name__}: {e}")
         if "torch_npu" not in str(e):
@@ -58,9 +117,20 @@ def run() -> int:
     print(f"device      {ctx.device_type} (backend {ctx.backend})")
     print("\npatches")
     print(status_table(activation.status))
+    print("\npatch manifest (docs/patches.md)")
+    print(manifest_table(activation.status))
     print("\nconverters (train config: [model] converters = [...])")
     print(converter_table(ctx.era, ctx.device_type))
     return 0
+
+
+def manifest_table(rows) -> str:
+    """Each patch of the running era: its upstream reference and removal condition."""
+    return "\n".join(
+        f"{r.patch.name}\n  upstream:    {r.patch.upstream_ref}\n"
+        f"  remove when: {r.patch.remove_when}"
+        for r in rows
+    )
 
 
 def converter_table(era: str, device_type: str) -> str:

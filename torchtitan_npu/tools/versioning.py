@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from torchtitan_npu.compat import UpstreamEntry, lock_path, read_lock
+from torchtitan_npu.compat import UpstreamEntry, read_lock
 from torchtitan_npu.tools.table import format_markdown_table
 
 ERA_DESCRIPTIONS = {
@@ -18,7 +18,7 @@ def render(entries: list[UpstreamEntry]) -> str:
             e.era,
             e.torch,
             e.status,
-            f"`{e.commit}`",
+            f"`{e.commit[:12]}`",
             f"`{e.wheel_sha256[:16]}…`",
             str(len(e.fingerprints)),
         ]
@@ -59,12 +59,30 @@ Notes:
 """
 
 
+def docs_dir() -> Path:
+    """docs/ of the source checkout this package runs from (not of an install)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").is_file() or not (root / "docs").is_dir():
+        raise ValueError(
+            "the generated docs live in a source checkout of titan-npu; this is an "
+            f"installed package ({root}): run the command from a checkout"
+        )
+    return root / "docs"
+
+
 def policy_path() -> Path:
-    return lock_path().parent / "docs" / "versioning_policy.md"
+    return docs_dir() / "versioning_policy.md"
 
 
-def write_policy() -> Path:
-    path = policy_path()
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(render(read_lock()))
-    return path
+def write_docs() -> list[Path]:
+    """Regenerate docs/versioning_policy.md and docs/patches.md."""
+    from torchtitan_npu.tools import patch_manifest
+
+    written = []
+    for path, text in [
+        (policy_path(), render(read_lock())),
+        (patch_manifest.manifest_path(), patch_manifest.render()),
+    ]:
+        path.write_text(text)
+        written.append(path)
+    return written
