@@ -90,14 +90,26 @@ def test_ascend_peak_flops(upstream, monkeypatch):
     assert ascend_peak_flops("Ascend910B1") == 414e12  # not "Ascend910"
     assert ascend_peak_flops("Ascend910") == 256e12
     assert ascend_peak_flops("NVIDIA H100") is None
-    get_peak_flops = patched(common.ASCEND_PEAK_FLOPS, upstream)
+    get_peak_flops = patched(common.PEAK_FLOPS, upstream)
     assert get_peak_flops("Ascend910B2") == 376e12
     assert get_peak_flops("NVIDIA A100") == 312e12  # upstream's own answer
     monkeypatch.setenv(PEAK_FLOPS_ENV, "1e15")
     assert get_peak_flops("Ascend910B2") == 1e15
 
 
-@pytest.mark.parametrize("patch", [common.HCCL_ENV, common.ASCEND_PEAK_FLOPS])
+def test_cpu_peak_flops_is_quiet_and_mfu_reads_zero(upstream, monkeypatch, caplog):
+    monkeypatch.delenv(PEAK_FLOPS_ENV, raising=False)
+    ctx = PatchContext(upstream.installed.version, upstream.era, "cpu", "gloo", True)
+    (change,) = common.PEAK_FLOPS.apply(resolve_target(common.PEAK_FLOPS.target), ctx)
+    with caplog.at_level("WARNING"):
+        assert change.value("x86_64") == float("inf")
+    assert not caplog.records  # no lspci, no "fallback to A100"
+    assert common.PEAK_FLOPS.skip(ctx) is None
+    cuda = PatchContext(upstream.installed.version, upstream.era, "cuda", "nccl", True)
+    assert common.PEAK_FLOPS.skip(cuda)
+
+
+@pytest.mark.parametrize("patch", [common.HCCL_ENV])
 def test_npu_patches_stay_off_elsewhere(patch, upstream):
     ctx = PatchContext(upstream.installed.version, upstream.era, "cpu", "gloo", True)
     assert patch.skip(ctx) == "not on npu (cpu)"

@@ -6,28 +6,60 @@ Importing this module (and ``titan-npu --help``) must not import torch.
 import argparse
 import json
 import os
-import subprocess
 import sys
+import time
 from pathlib import Path
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from torchtitan_npu.config import resolve
+    from torchtitan_npu import launcher
+    from torchtitan_npu.distributed import DEVICE_ENV, check_torch_loads
+
+    world_size = launcher.world_size(args.nproc_per_node, args.nnodes)
+    if args.nnodes != "1" and not args.rdzv_endpoint:
+        raise launcher.LaunchError("--nnodes other than 1 needs --rdzv-endpoint")
+    if args.device:
+        os.environ[DEVICE_ENV] = args.device
+    check_torch_loads()  # a torch_npu without CANN: one line, not torch's traceback
+
+    from torchtitan_npu.config import preflight, resolve
 
     config = resolve(args.config, overrides)
-    dump_folder = Path(config.get("job", {}).get("dump_folder", "./outputs"))
-    dump_folder.mkdir(parents=True, exist_ok=True)
-    resolved = dump_folder / "titan_npu_config.json"
-    resolved.write_text(json.dumps(config, indent=2))
-    env = dict(os.environ)
-    if args.device:
-        from torchtitan_npu.distributed import DEVICE_ENV
+    launch = f"--nproc-per-node {args.nproc_per_node} x --nnodes {args.nnodes}"
+    launch_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+    metrics = config.setdefault("metrics", {})
+    # One TensorBoard folder per launch (upstream's is per minute).
+    metrics["save_tb_folder"] = f"{metrics.get('save_tb_folder', 'tb')}/{launch_id}"
+    preflight.check(config, world_size=world_size, launch=launch)
 
-        env[DEVICE_ENV] = args.device
-    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(args)]
-    command += ["-m", "torchtitan_npu.entry", str(resolved)]
-    print("titan-npu: " + " ".join(command), flush=True)
-    return subprocess.call(command, env=env)
+    dump_folder = Path(config.get("job", {}).get("dump_folder", "./outputs"))
+    lock = launcher.DumpFolderLock(dump_folder, per_host=args.nnodes != "1")
+    lock.acquire()
+    try:
+        run_dir = dump_folder / "logs" / launch_id
+        run_dir.mkdir(parents=True)
+        resolved = dump_folder / "titan_npu_config.json"
+        resolved.write_text(json.dumps(config, indent=2))
+        env = launcher.worker_env(run_dir)
+        command = [sys.executable, "-m", "torch.distributed.run"]
+        command += [*torchrun_args(args), "-m", "torchtitan_npu.entry", str(resolved)]
+        print(f"titan-npu: training, log in {run_dir / 'launcher.log'}", flush=True)
+        result = launcher.supervise(
+            command,
+            env,
+            log=run_dir / "launcher.log",
+            verbose=args.verbose,
+            keep_fds=(lock.fd,),
+        )
+    finally:
+        lock.release()
+    if result.returncode != 0:
+        line, code = launcher.failure_line(result, run_dir)
+        print(f"titan-npu: error: {line}", file=sys.stderr, flush=True)
+        return code
+    tb_folder = dump_folder / metrics["save_tb_folder"]
+    print(launcher.run_summary(result, dump_folder, tb_folder), flush=True)
+    return 0
 
 
 def torchrun_args(args: argparse.Namespace) -> list[str]:
@@ -36,8 +68,6 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     if args.nnodes == "1" and not args.rdzv_endpoint:
         flags.append("--standalone")
     else:
-        if not args.rdzv_endpoint:
-            raise SystemExit("titan-npu train: --nnodes > 1 needs --rdzv-endpoint")
         flags += [
             f"--nnodes={args.nnodes}",
             "--rdzv-backend=c10d",
@@ -134,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", choices=["npu", "cuda", "cpu"], help="force one")
     train.add_argument(
         "--log-all-ranks", action="store_true", help="print every rank's log"
+    )
+    train.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show torchrun's own output and tracebacks (always in the log file)",
     )
     train.set_defaults(handler=_train)
 

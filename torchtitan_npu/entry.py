@@ -46,6 +46,19 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from torchtitan_npu.launcher import die_with_parent, record_failure
+    from torchtitan_npu.tools.log_noise import quiet_upstream_noise
+
+    die_with_parent()  # no orphan may keep writing checkpoints
+    quiet_upstream_noise()
+    try:
+        _main(argv)
+    except BaseException as e:
+        record_failure(e)  # for the launcher's one-line summary
+        raise
+
+
+def _main(argv: list[str] | None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python -m torchtitan_npu.entry RESOLVED_CONFIG.json")

@@ -11,10 +11,18 @@ TOML on it, renamed where 0.3.x moved it. A key with no 0.3.x counterpart is a
 import importlib
 import json
 import os
+from pathlib import Path
 from typing import Any
 
-from torchtitan_npu.config.fields import MISSING, get_path, has_path, set_path
-from torchtitan_npu.config.schema import ConfigError, flatten
+from torchtitan_npu.config.fields import (
+    MISSING,
+    expected,
+    field_type,
+    get_path,
+    has_path,
+    set_path,
+)
+from torchtitan_npu.config.schema import ConfigError, flatten, wrong_type
 
 ERA = "config_registry"
 RESOLVED_CONFIG_ENV = "TITAN_NPU_RESOLVED_CONFIG"
@@ -58,7 +66,22 @@ def base_config(name: str, flavor: str):
                 f"known flavors: {available}"
             )
         return function()
-    raise ConfigError(f"unknown model {name!r} in era {ERA}")
+    raise ConfigError(
+        f"unknown model {name!r} in era {ERA}; known models: {known_models()}"
+    )
+
+
+def known_models() -> list[str]:
+    """Model packages with a config_registry (upstream's and injected ones)."""
+    import pkgutil
+
+    names = set()
+    for package in ("torchtitan.models", "torchtitan_npu.models"):
+        for folder in importlib.import_module(package).__path__:
+            for module in pkgutil.iter_modules([folder]):
+                if (Path(folder) / module.name / "config_registry.py").is_file():
+                    names.add(module.name)
+    return sorted(names)
 
 
 def _activation_checkpoint(mode: str):
@@ -99,10 +122,14 @@ def to_trainer_config(config: dict[str, Any], *, version: str, device_type: str)
         if key == "model.converters":
             continue  # after every other key: converters check the layout
         if section == "optimizer" and leaf in _OPTIMIZER_KWARGS:
+            if want := expected(float, value):
+                raise wrong_type(key, value, want, version)
             for group in trainer_config.optimizer.param_groups:
                 group.optimizer_kwargs[leaf] = value
             continue
         if key == "optimizer.name":
+            if want := expected(str, value):
+                raise wrong_type(key, value, want, version)
             for group in trainer_config.optimizer.param_groups:
                 group.optimizer_name = value
             continue
@@ -115,6 +142,8 @@ def to_trainer_config(config: dict[str, Any], *, version: str, device_type: str)
                 f"train config key {key!r} has no counterpart in torchtitan "
                 f"{version} (era {ERA})"
             )
+        if want := expected(field_type(trainer_config, target), value):
+            raise wrong_type(key, value, want, version)
         set_path(trainer_config, target, value)
     if flat.get("model.converters"):
         from torchtitan_npu.converters import config_registry as converters
@@ -126,6 +155,11 @@ def to_trainer_config(config: dict[str, Any], *, version: str, device_type: str)
             device_type=device_type,
         )
     return trainer_config
+
+
+def translate(config: dict[str, Any], *, version: str, device_type: str) -> None:
+    """Translate only to check (the launcher's preflight); raises ConfigError."""
+    to_trainer_config(config, version=version, device_type=device_type)
 
 
 def titan_npu():

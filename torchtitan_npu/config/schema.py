@@ -18,6 +18,13 @@ class ConfigError(ValueError):
     """A train config the running upstream cannot honour."""
 
 
+def wrong_type(key: str, value: Any, want: str, version: str) -> ConfigError:
+    return ConfigError(
+        f"train config key {key!r} = {value!r}: expected {want} "
+        f"(torchtitan {version}); set it in the TOML or with --{key} VALUE"
+    )
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():

@@ -6,8 +6,8 @@ every key against upstream ``JobConfig`` plus the renames older releases need.
 
 from typing import Any
 
-from torchtitan_npu.config.fields import has_path
-from torchtitan_npu.config.schema import ConfigError, flatten
+from torchtitan_npu.config.fields import expected, field_type, has_path
+from torchtitan_npu.config.schema import ConfigError, flatten, wrong_type
 
 ERA = "trainspec"
 
@@ -18,6 +18,23 @@ _LEGACY_DEBUG_KEYS = {
 }
 
 
+def check_model(name: str, flavor: str, *, version: str) -> None:
+    """The model is a registered TrainSpec and has the flavor."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    try:
+        spec = get_train_spec(name)
+    except ValueError:
+        raise ConfigError(
+            f"unknown model {name!r} in torchtitan {version} (era {ERA})"
+        ) from None
+    if flavor not in spec.model_args:
+        raise ConfigError(
+            f"model {name!r} has no flavor {flavor!r} in torchtitan {version} "
+            f"(era {ERA}); known flavors: {sorted(spec.model_args)}"
+        )
+
+
 def to_job_config(config: dict[str, Any], *, version: str) -> dict[str, Any]:
     """The nested dict upstream's ``--job.config_file`` TOML should contain."""
     from torchtitan.config import JobConfig
@@ -25,6 +42,11 @@ def to_job_config(config: dict[str, Any], *, version: str) -> dict[str, Any]:
     defaults = JobConfig()
     out: dict[str, Any] = {}
     flat = flatten(config)
+    check_model(
+        flat.get("model.name", defaults.model.name),
+        flat.get("model.flavor", defaults.model.flavor),
+        version=version,
+    )
     if flat.get("model.converters"):
         from torchtitan_npu.converters.trainspec import checked_names
 
@@ -42,12 +64,19 @@ def to_job_config(config: dict[str, Any], *, version: str) -> dict[str, Any]:
                 f"train config key {key!r} has no counterpart in torchtitan "
                 f"{version} (era {ERA})"
             )
+        if want := expected(field_type(defaults, target), value):
+            raise wrong_type(key, value, want, version)
         *sections, leaf = target.split(".")
         node = out
         for section in sections:
             node = node.setdefault(section, {})
         node[leaf] = value
     return out
+
+
+def translate(config: dict[str, Any], *, version: str, device_type: str) -> None:
+    """Translate only to check (the launcher's preflight); raises ConfigError."""
+    to_job_config(config, version=version)
 
 
 def upstream_argv(job_file: str) -> list[str]:

@@ -4,6 +4,8 @@ from torchtitan_npu.distributed.device import (
     DEVICE_ENV,
     TorchNpuLoadError,
     backend_for,
+    check_torch_loads,
+    keep_torch_npu_out,
     load_torch_npu,
     select_device_type,
 )
@@ -12,6 +14,8 @@ __all__ = [
     "DEVICE_ENV",
     "TorchNpuLoadError",
     "backend_for",
+    "check_torch_loads",
+    "keep_torch_npu_out",
     "load_torch_npu",
     "select_device_type",
 ]

@@ -20,24 +20,63 @@ def torch_npu_installed() -> bool:
     return importlib.util.find_spec("torch_npu") is not None
 
 
+AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"  # torch's: "0" = no torch_npu
+
+
+def torch_npu_wanted(env: dict[str, str] | None = None) -> bool:
+    """Is torch_npu to be loaded? Not when absent, when another device is
+    forced, or when torch's device-backend autoload is off."""
+    env = os.environ if env is None else env
+    forced = env.get(DEVICE_ENV)
+    return (
+        torch_npu_installed()
+        and forced in (None, "", "npu")
+        and env.get(AUTOLOAD_ENV) != "0"
+    )
+
+
+def keep_torch_npu_out(env: dict[str, str]) -> None:
+    """With a forced non-NPU device, keep torch from autoloading torch_npu
+    (which fails outright on a host without CANN)."""
+    if torch_npu_installed() and env.get(DEVICE_ENV) not in (None, "", "npu"):
+        env.setdefault(AUTOLOAD_ENV, "0")
+
+
+def _load_failure(error: BaseException) -> TorchNpuLoadError:
+    reason = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+    return TorchNpuLoadError(
+        f"torch_npu is installed but cannot load ({type(error).__name__}: "
+        f"{reason[:200]}); without Ascend CANN it breaks `import torch`: source "
+        "CANN's set_env.sh, train on another device (titan-npu train --device "
+        f"cpu, or {DEVICE_ENV}=cpu), or uninstall torch-npu"
+    )
+
+
+def check_torch_loads() -> None:
+    """Import torch here and now, turning a torch_npu autoload crash into one
+    line (call before anything else imports torch)."""
+    keep_torch_npu_out(os.environ)
+    try:
+        import torch  # noqa: F401
+    except Exception as e:
+        if torch_npu_installed():
+            raise _load_failure(e) from None
+        raise
+
+
 def load_torch_npu():
-    """Import torch_npu when installed, before torchtitan reads the device type.
+    """Import torch_npu when wanted, before torchtitan reads the device type.
 
     torch_npu registers the ``npu`` privateuse1 backend; upstream detects the
-    device once, at import. Returns the module, or None when not installed.
+    device once, at import. Returns the module, or None when not loaded (not
+    installed, another device forced, or ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``).
     """
-    if not torch_npu_installed():
+    if not torch_npu_wanted():
         return None
     try:
         import torch_npu  # noqa: F401
     except Exception as e:  # any failure in the CANN runtime surfaces here
-        raise TorchNpuLoadError(
-            f"torch_npu is installed but failed to load: {e}\n"
-            "On a machine without Ascend CANN, torch_npu breaks even `import torch` "
-            "(device-backend autoload). Either source CANN's set_env.sh, uninstall "
-            "torch-npu, or set TORCH_DEVICE_BACKEND_AUTOLOAD=0 and "
-            f"{DEVICE_ENV}=cpu to train without it."
-        ) from e
+        raise _load_failure(e) from e
     return torch_npu
 
 

@@ -228,33 +228,38 @@ HCCL_ENV = Patch(
 )
 
 
-def _apply_ascend_peak_flops(target: Target, ctx: PatchContext) -> list[Change]:
-    from torchtitan_npu.tools.flops import ascend_peak_flops
+def _apply_peak_flops(target: Target, ctx: PatchContext) -> list[Change]:
+    from torchtitan_npu.tools.flops import peak_flops
 
     original = target.obj
 
     def get_peak_flops(device_name: str) -> float:
-        peak = ascend_peak_flops(device_name)
+        peak = peak_flops(ctx.device_type, device_name)
         return original(device_name) if peak is None else peak
 
     return [Change(target.owner, target.attr, get_peak_flops)]
 
 
-ASCEND_PEAK_FLOPS = Patch(
-    name="ascend_peak_flops",
+PEAK_FLOPS = Patch(
+    name="peak_flops",
     target="torchtitan.tools.utils:get_peak_flops",
     kind="wrap",
     reason=(
-        "upstream's peak-FLOPs lookup knows NVIDIA/AMD names only and reports "
-        "MFU against an A100 elsewhere; adds the Ascend table (tools/flops.py)."
+        "upstream's peak-FLOPs lookup knows NVIDIA/AMD names only: elsewhere it "
+        "runs lspci and reports MFU against an A100, with two warnings. Adds the "
+        "Ascend table on npu; on cpu MFU has no meaningful peak and reads 0 "
+        "(tools/flops.py; TITAN_NPU_PEAK_FLOPS overrides both)."
     ),
     eras=ALL_ERAS,
     upstream_ref=(
         "pytorch/torchtitan#1203 (the peak-FLOPs table; Ascend devices not in it)"
     ),
-    remove_when="torchtitan's get_peak_flops knows the Ascend 910B/910_93/950 devices",
-    apply=_apply_ascend_peak_flops,
-    skip=skip_unless_npu,
+    remove_when=(
+        "torchtitan's get_peak_flops knows the Ascend 910B/910_93/950 devices and "
+        "stays quiet on cpu"
+    ),
+    apply=_apply_peak_flops,
+    skip=lambda ctx: "upstream's table" if ctx.device_type == "cuda" else None,
 )
 
 
@@ -303,7 +308,7 @@ PATCHES = [
     FLEX_CPU_BACKWARD,
     HCCL_SUM_ONLY,
     HCCL_ENV,
-    ASCEND_PEAK_FLOPS,
+    PEAK_FLOPS,
     NPU_PROFILER,
     NPU_PROFILER_SCHEDULE,
 ]

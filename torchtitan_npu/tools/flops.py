@@ -1,5 +1,8 @@
 """Peak dense bf16/fp16 FLOPs of Ascend NPUs, so MFU is reported on NPU.
 
+On CPU there is no meaningful peak: MFU reads 0 unless ``TITAN_NPU_PEAK_FLOPS``
+is set.
+
 Upstream's ``get_peak_flops`` knows NVIDIA/AMD names and falls back to an
 A100's 312 TFLOPs for anything else. The figures below are the commonly
 published per-chip peaks (cube units, fp16/bf16, dense); they have not been
@@ -30,3 +33,12 @@ def ascend_peak_flops(device_name: str) -> float | None:
         if name.startswith(prefix):
             return ASCEND_PEAK_FLOPS[prefix]
     return None
+
+
+def peak_flops(device_type: str, device_name: str) -> float | None:
+    """The peak for MFU on ``device_type``; None: ask upstream's table."""
+    if os.environ.get(PEAK_FLOPS_ENV):
+        return float(os.environ[PEAK_FLOPS_ENV])
+    if device_type == "cpu":
+        return float("inf")  # MFU 0: no peak to compare with
+    return ascend_peak_flops(device_name) if device_type == "npu" else None

@@ -1,0 +1,265 @@
+"""``titan-npu train``'s launcher: check before launch, run torchrun, end readably.
+
+- Everything a user can get wrong is checked here, in one process, before
+  torchrun starts (``preflight``): process counts, the torch_npu environment,
+  then the config itself (keys, types, model, flavor, layout, paths).
+- One run owns a dump folder: a lock file (owner pid and host) refuses a second
+  launcher while the first lives.
+- Workers die with their launcher: torchrun gets a parent-death signal, and
+  each worker asks for one too (``die_with_parent``).
+- torchrun's output goes to ``<dump>/logs/<launch>/launcher.log``; the terminal
+  shows the training log, never a traceback wall: a failure is one line naming
+  the rank, the error and the log (``--verbose`` shows everything).
+- A finished run ends with a summary: steps, first and last loss, where the
+  logs, TensorBoard files and checkpoints are.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_DIR_ENV = "TITAN_NPU_RUN_DIR"  # where ranks record their failures
+LOCK_NAME = ".titan-npu.lock"
+_PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(ValueError):
+    """A launch that cannot start (bad process counts, a busy dump folder)."""
+
+
+def world_size(nproc_per_node: str, nnodes: str) -> int | None:
+    """Processes in the job; None when torchrun decides (elastic node range)."""
+    if not re.fullmatch(r"[1-9]\d*", nproc_per_node):
+        raise LaunchError(
+            f"--nproc-per-node {nproc_per_node!r}: expected a positive integer "
+            "(processes per node)"
+        )
+    if re.fullmatch(r"[1-9]\d*", nnodes):
+        return int(nproc_per_node) * int(nnodes)
+    if re.fullmatch(r"[1-9]\d*:[1-9]\d*", nnodes):
+        low, high = map(int, nnodes.split(":"))
+        if low <= high:
+            return None
+    raise LaunchError(
+        f"--nnodes {nnodes!r}: expected a positive integer or MIN:MAX (torchrun)"
+    )
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent exits."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+
+
+class DumpFolderLock:
+    """One live run per dump folder: an flock held by the launcher and torchrun.
+
+    The lock file records the owner (pid, host, start); the kernel drops the
+    flock when every process holding it exits, so a killed run never leaves a
+    stale lock behind. With several nodes each host locks its own file (a
+    shared dump folder is written by every node of one run).
+    """
+
+    def __init__(self, dump_folder: Path, *, per_host: bool = False) -> None:
+        host = socket.gethostname()
+        name = f"{LOCK_NAME}.{host}" if per_host else LOCK_NAME
+        self.path = dump_folder / name
+        self.fd: int | None = None
+        self.owner = {"pid": os.getpid(), "host": host, "started": time.ctime()}
+
+    def acquire(self) -> None:
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.read(fd, 4096).decode(errors="replace").strip()
+            os.close(fd)
+            try:
+                who = json.loads(owner)
+                owner = f"pid {who['pid']} on {who['host']}, since {who['started']}"
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise LaunchError(
+                f"dump folder {self.path.parent} is in use by a live run ({owner}); "
+                "stop that run or choose another --job.dump_folder"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(self.owner).encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    log: Path
+    lines: list[str]  # every line torchrun printed (ANSI colours removed)
+    seconds: float
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# torch's own glog-style lines (torchrun's agent, C++ and compiler internals):
+# in the log file, not on the terminal.
+_TORCH_INTERNAL_LOG = re.compile(r"^(\[rank\d+\]:)?[IWE]\d{4} \d\d:\d\d:\d\d")
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+def supervise(
+    command: list[str],
+    env: dict[str, str],
+    *,
+    log: Path,
+    verbose: bool,
+    keep_fds: tuple[int, ...] = (),
+) -> RunResult:
+    """Run torchrun, log all of its output, show the terminal the readable part."""
+    start = time.monotonic()
+    lines: list[str] = []
+    log.parent.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        bufsize=1,
+        pass_fds=keep_fds,
+        preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+    )
+    muted = False
+    with open(log, "w") as log_file:
+        log_file.write("$ " + " ".join(command) + "\n")
+        try:
+            assert process.stdout is not None
+            for line in process.stdout:
+                log_file.write(line)
+                log_file.flush()
+                lines.append(_ANSI.sub("", line.rstrip("\n")))
+                muted = muted or _TRACEBACK in line
+                if verbose or not (muted or _TORCH_INTERNAL_LOG.search(line)):
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+            returncode = process.wait()
+        except KeyboardInterrupt:  # torchrun got the SIGINT too: let it stop
+            returncode = process.wait()
+    return RunResult(returncode, log, lines, time.monotonic() - start)
+
+
+# Worker environment defaults: progress bars and deprecation notices of
+# upstream's dependencies that a user cannot act on (a user's value wins).
+QUIET_ENV = {
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "PYTHONWARNINGS": "ignore:'set_vital' is deprecated",
+}
+
+
+def worker_env(run_dir: Path) -> dict[str, str]:
+    env = {**QUIET_ENV, **os.environ}
+    env[RUN_DIR_ENV] = str(run_dir.resolve())
+    return env
+
+
+def record_failure(exc: BaseException) -> None:
+    """In a rank: note the exception for the launcher's one-line summary."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir or isinstance(exc, KeyboardInterrupt):
+        return
+    if isinstance(exc, SystemExit):
+        if exc.code in (0, None):
+            return
+        message, code = str(exc.code), exc.code if isinstance(exc.code, int) else 1
+    else:
+        message, code = f"{type(exc).__name__}: {exc}", 1
+    rank = os.environ.get("RANK", "?")
+    path = Path(run_dir) / "errors" / f"rank-{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"rank": rank, "message": message, "exitcode": code, "time": time.time()}
+    path.write_text(json.dumps(record))
+
+
+def failure_line(result: RunResult, run_dir: Path) -> tuple[str, int]:
+    """One sentence for a failed run, and the exit code to leave with."""
+    records = [
+        json.loads(p.read_text()) for p in sorted((run_dir / "errors").glob("*.json"))
+    ]
+    if records:
+        first = min(records, key=lambda r: r["time"])
+        message = first["message"].strip().splitlines()[-1][:400]
+        message = message.removeprefix("titan-npu: error: ")
+        others = len(records) - 1
+        also = f"; {others} other rank(s) failed too" if others else ""
+        return (
+            f"rank {first['rank']} failed: {message}{also} (full log: {result.log})",
+            int(first["exitcode"]),
+        )
+    text = "\n".join(result.lines)
+    rank = re.search(r"rank\s*:\s*(\d+)", text)
+    exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", text)
+    if rank and exitcode:
+        code = int(exitcode.group(1))
+        if code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+            code = 128 - code
+        else:
+            how = f"exited with code {code}"
+        return (
+            f"rank {rank.group(1)} {how} (full log: {result.log})",
+            code,
+        )
+    return (
+        f"torchrun exited with code {result.returncode} (full log: {result.log})",
+        result.returncode or 1,
+    )
+
+
+_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[0-9.]+(?:e[-+]?\d+)?)")
+
+
+def run_summary(result: RunResult, dump_folder: Path, tb_folder: Path | None) -> str:
+    """What the run did and where its outputs are."""
+    losses = {int(m[1]): float(m[2]) for m in map(_STEP.search, result.lines) if m}
+    lines = []
+    if losses:
+        first, last = min(losses), max(losses)
+        lines.append(
+            f"titan-npu: trained steps {first}-{last} in {result.seconds:.0f} s; "
+            f"loss {losses[first]:.4f} -> {losses[last]:.4f}"
+        )
+    else:
+        lines.append(f"titan-npu: run finished in {result.seconds:.0f} s (no steps)")
+    lines.append(f"  log:          {result.log}")
+    if tb_folder is not None and tb_folder.is_dir():
+        lines.append(
+            f"  tensorboard:  {tb_folder}  "
+            f"(view: tensorboard --logdir {tb_folder.parent})"
+        )
+    checkpoints = sorted(
+        (p for p in dump_folder.glob("checkpoint*/step-*") if p.is_dir()),
+        key=lambda p: int(p.name.split("-")[-1]) if p.name[5:].isdigit() else -1,
+    )
+    if checkpoints:
+        names = ", ".join(p.name for p in checkpoints[-3:])
+        lines.append(f"  checkpoints:  {checkpoints[-1].parent} ({names})")
+    return "\n".join(lines)
