@@ -192,3 +192,90 @@ def test_disabled_patch_is_reported_and_left_off(upstream):
         assert states(rows)["device"] == "disabled"
         assert states(rows)["fsdp_sum_reduction"] == "applied"
         assert tools_utils.device_type is before
+
+
+def test_missing_target_message_shows_the_lock_fingerprint(upstream, monkeypatch):
+    patch = patches_for(upstream.era)[-1]
+    target = resolve_target(patch.target)
+    monkeypatch.delattr(target.owner, target.attr)
+    with pytest.raises(PatchTargetError) as info:
+        Overlay().apply(
+            patches_for(upstream.era), cpu_context(upstream), upstream.fingerprints
+        )
+    assert f"upstream.lock has {upstream.fingerprints[patch.target]}" in str(info.value)
+    assert "found -" in str(info.value)
+
+
+def test_untested_drifted_patch_that_is_not_needed_stays_off(upstream, monkeypatch):
+    import torchtitan.distributed.utils as dist_utils
+
+    monkeypatch.setattr(dist_utils, "dist_mean", lambda *a, **k: None)  # "changed"
+    drifted = dist_utils.dist_mean
+    overlay = Overlay()
+    with pytest.warns(UserWarning, match="UNTESTED UPSTREAM.*'hccl_sum_only'"):
+        rows = overlay.apply(
+            patches_for(upstream.era),
+            cpu_context(upstream, tested=False),
+            upstream.fingerprints,
+        )
+    try:
+        assert states(rows)["hccl_sum_only"] == "not needed"
+        assert dist_utils.dist_mean is drifted
+    finally:
+        overlay.revert()
+
+
+def npu_only_sum_patches(upstream, *, tested):
+    """An npu/hccl context with only the two SUM patches left to apply."""
+    others = {
+        "device",
+        "hccl_env",
+        "peak_flops",
+        "npu_profiler",
+        "npu_profiler_schedule",
+    }
+    return PatchContext(
+        upstream.installed.version,
+        upstream.era,
+        "npu",
+        "hccl",
+        tested,
+        frozenset(others),
+    )
+
+
+def test_untested_patch_that_fails_to_apply_is_skipped(upstream, monkeypatch):
+    import torchtitan.distributed.utils as dist_utils
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    monkeypatch.delattr(dist_utils, "dist_sum")  # what torchtitan 0.1.0 lacks
+    original = _fsdp_collectives._get_gradient_divide_factors
+    overlay = Overlay()
+    with pytest.warns(UserWarning, match="'hccl_sum_only' failed to apply.*dist_sum"):
+        rows = overlay.apply(
+            patches_for(upstream.era),
+            npu_only_sum_patches(upstream, tested=False),
+            upstream.fingerprints,
+        )
+    try:
+        assert states(rows)["hccl_sum_only"] == "failed"
+        assert states(rows)["fsdp_sum_reduction"] == "applied"
+        assert _fsdp_collectives._get_gradient_divide_factors is not original
+    finally:
+        overlay.revert()
+    assert _fsdp_collectives._get_gradient_divide_factors is original
+
+
+def test_a_failing_patch_leaves_nothing_applied(upstream, monkeypatch):
+    import torchtitan.distributed.utils as dist_utils
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    monkeypatch.delattr(dist_utils, "dist_sum")
+    original = _fsdp_collectives._get_gradient_divide_factors
+    overlay = Overlay()
+    ctx = npu_only_sum_patches(upstream, tested=True)
+    for _ in range(2):  # a retry fails the same way, it does not report success
+        with pytest.raises(PatchTargetError, match="'hccl_sum_only' failed to apply"):
+            overlay.apply(patches_for(upstream.era), ctx, upstream.fingerprints)
+        assert _fsdp_collectives._get_gradient_divide_factors is original
+        assert not overlay.active

@@ -30,29 +30,28 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     metrics = config.setdefault("metrics", {})
     # One TensorBoard folder per launch (upstream's is per minute).
     metrics["save_tb_folder"] = f"{metrics.get('save_tb_folder', 'tb')}/{launch_id}"
-    preflight.check(config, world_size=world_size, launch=launch)
-
     dump_folder = Path(config.get("job", {}).get("dump_folder", "./outputs"))
     lock = launcher.DumpFolderLock(dump_folder, per_host=args.nnodes != "1")
-    lock.acquire()
+    lock.acquire()  # before the slow checks: a busy folder fails at once
+    result = None
     try:
+        preflight.check(config, world_size=world_size, launch=launch)
         run_dir = dump_folder / "logs" / launch_id
         run_dir.mkdir(parents=True)
         resolved = dump_folder / "titan_npu_config.json"
         resolved.write_text(json.dumps(config, indent=2))
-        env = launcher.worker_env(run_dir)
         command = [sys.executable, "-m", "torch.distributed.run"]
         command += [*torchrun_args(args), "-m", "torchtitan_npu.entry", str(resolved)]
         print(f"titan-npu: training, log in {run_dir / 'launcher.log'}", flush=True)
         result = launcher.supervise(
             command,
-            env,
+            launcher.worker_env(run_dir),
             log=run_dir / "launcher.log",
             verbose=args.verbose,
             keep_fds=(lock.fd,),
         )
     finally:
-        lock.release()
+        lock.release(started=result is not None)
     if result.returncode != 0:
         line, code = launcher.failure_line(result, run_dir)
         print(f"titan-npu: error: {line}", file=sys.stderr, flush=True)
@@ -211,11 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     compare = commands.add_parser(
         "loss-compare",
         help="compare two runs' loss/grad_norm from TensorBoard (exact)",
+        description="Compare two runs' loss and grad_norm, bitwise by default. A "
+        "dump folder is read over all its launches (a resumed run is one run).",
     )
     compare.add_argument("run_a", help="dump folder (or TensorBoard folder) of run A")
     compare.add_argument("run_b", help="dump folder (or TensorBoard folder) of run B")
     compare.add_argument("--rtol", type=float, default=0.0, help="0: bitwise")
     compare.add_argument("--atol", type=float, default=0.0, help="0: bitwise")
+    compare.add_argument("--steps", help="compare only steps A-B (e.g. 5-8)")
     compare.add_argument("--plot", help="write a PNG of both curves here")
     compare.set_defaults(handler=_loss_compare)
     return parser

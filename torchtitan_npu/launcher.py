@@ -80,10 +80,12 @@ class DumpFolderLock:
         self.path = dump_folder / name
         self.fd: int | None = None
         self.owner = {"pid": os.getpid(), "host": host, "started": time.ctime()}
+        self.created_folder = False
 
     def acquire(self) -> None:
         import fcntl
 
+        self.created_folder = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -104,10 +106,18 @@ class DumpFolderLock:
         os.write(fd, json.dumps(self.owner).encode())
         self.fd = fd
 
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+    def release(self, *, started: bool) -> None:
+        """Unlock; a launch that never started leaves no folder it created."""
+        if self.fd is None:
+            return
+        if not started and self.created_folder:
+            self.path.unlink()
+            try:
+                self.path.parent.rmdir()  # only when nothing else is in it
+            except OSError:
+                pass
+        os.close(self.fd)
+        self.fd = None
 
 
 @dataclass

@@ -104,6 +104,12 @@ def resolve(config_path: str | Path | None, overrides: list[str]) -> dict[str, A
         if model.get("hf_assets_path", EMBEDDED) == EMBEDDED:
             model["hf_assets_path"] = str(assets.tokenizer_path)
         if training.get("dataset") == EMBEDDED:
+            if training.get("dataset_path"):
+                raise ConfigError(
+                    f"training.dataset_path is set but training.dataset is "
+                    f"{EMBEDDED!r}; to train on your own data also set "
+                    "--training.dataset (e.g. c4_test for a local JSON corpus)"
+                )
             training["dataset"] = "c4_test"  # upstream's local-JSON loader
             training["dataset_path"] = str(assets.dataset_path)
     return config

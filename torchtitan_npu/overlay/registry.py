@@ -112,7 +112,9 @@ class PatchStatus:
     """One row of the patch table."""
 
     patch: Patch
-    state: Literal["applied", "not needed", "disabled", "drifted", "missing", "pending"]
+    state: Literal[
+        "applied", "not needed", "disabled", "drifted", "missing", "failed", "pending"
+    ]
     detail: str = ""
     found: str | None = None  # fingerprint found in the installed upstream
     expected: str | None = None  # fingerprint recorded in upstream.lock
@@ -128,7 +130,8 @@ def check(
         try:
             target = resolve_target(patch.target)
         except (ImportError, AttributeError, KeyError) as e:
-            rows.append(PatchStatus(patch, "missing", f"{type(e).__name__}: {e}"))
+            detail = f"{type(e).__name__}: {e}"
+            rows.append(PatchStatus(patch, "missing", detail, None, want))
             continue
         found = fingerprint(target.obj)
         if want is None:
@@ -164,19 +167,22 @@ class Overlay:
     def apply(
         self, patches: list[Patch], ctx: PatchContext, expected: dict[str, str]
     ) -> list[PatchStatus]:
-        """Verify every target, then apply the needed patches (idempotent)."""
+        """Verify every target, then apply the needed patches: all or nothing
+        (idempotent). Under the untested-upstream opt-in a missing, drifted or
+        failing patch is skipped with one warning instead."""
         if self._applied:
             return self.status
         names = [p.name for p in patches]
         duplicates = {n for n in names if names.count(n) > 1}
         assert not duplicates, f"duplicate patch names: {sorted(duplicates)}"
         rows = check(patches, ctx, expected)
-        problems = [r for r in rows if r.state in ("missing", "drifted")]
-        for row in problems:
+        for row in rows:
+            if row.state not in ("missing", "drifted"):
+                continue
             message = (
                 f"overlay patch {row.patch.name!r}: target {row.patch.target} is "
                 f"{row.state} in torchtitan {ctx.upstream_version} ({row.detail}; "
-                f"found {row.found}, upstream.lock has {row.expected})"
+                f"found {row.found or '-'}, upstream.lock has {row.expected or '-'})"
             )
             if ctx.tested:
                 raise PatchTargetError(
@@ -184,28 +190,43 @@ class Overlay:
                     "run `titan-npu compat record`."
                 )
             warnings.warn("UNTESTED UPSTREAM: " + message, stacklevel=2)
-        for row in rows:
-            if row.state in ("missing", "not needed", "disabled"):
-                continue
-            target = resolve_target(row.patch.target)
-            undo = [_set(c) for c in row.patch.apply(target, ctx)]
-            self._applied.append(_Applied(row.patch, [u for us in undo for u in us]))
-            if row.state == "pending":
-                row.state = "applied"
-            else:  # drifted but applied under the untested opt-in
-                row.detail += "; applied anyway (untested upstream)"
+            if row.state == "drifted" and (skip := row.patch.skip(ctx)):
+                row.state, row.detail = "not needed", f"{skip}; {row.detail}"
+        done: list[_Applied] = []
+        try:
+            for row in rows:
+                if row.state not in ("pending", "drifted"):
+                    continue
+                try:
+                    done.append(_apply_one(row.patch, ctx))
+                except Exception as e:
+                    failure = (
+                        f"overlay patch {row.patch.name!r} failed to apply on "
+                        f"torchtitan {ctx.upstream_version}: {type(e).__name__}: {e}"
+                    )
+                    if ctx.tested:
+                        raise PatchTargetError(failure) from e
+                    warnings.warn(
+                        f"UNTESTED UPSTREAM: {failure}; skipped", stacklevel=2
+                    )
+                    row.state, row.detail = "failed", f"{type(e).__name__}: {e}"
+                    continue
+                if row.state == "pending":
+                    row.state = "applied"
+                else:  # drifted but applied under the untested opt-in
+                    row.detail += "; applied anyway (untested upstream)"
+        except BaseException:
+            for applied in reversed(done):
+                _undo(applied.undo)
+            raise
+        self._applied = done
         self.status = rows
         return rows
 
     def revert(self) -> None:
         """Undo every change, newest first."""
         while self._applied:
-            applied = self._applied.pop()
-            for owner, attr, old, had in reversed(applied.undo):
-                if had:
-                    setattr(owner, attr, old)
-                else:
-                    delattr(owner, attr)
+            _undo(self._applied.pop().undo)
         self.status = []
 
     @contextlib.contextmanager
@@ -218,6 +239,27 @@ class Overlay:
             yield rows
         finally:
             self.revert()
+
+
+def _apply_one(patch: Patch, ctx: PatchContext) -> _Applied:
+    """Make one patch's changes; on failure undo the ones already made."""
+    target = resolve_target(patch.target)
+    undo: list[tuple[Any, str, Any, bool]] = []
+    try:
+        for change in patch.apply(target, ctx):
+            undo += _set(change)
+    except BaseException:
+        _undo(undo)
+        raise
+    return _Applied(patch, undo)
+
+
+def _undo(undo: list[tuple[Any, str, Any, bool]]) -> None:
+    for owner, attr, old, had in reversed(undo):
+        if had:
+            setattr(owner, attr, old)
+        else:
+            delattr(owner, attr)
 
 
 def _set(change: Change) -> list[tuple[Any, str, Any, bool]]:

@@ -113,10 +113,36 @@ def plot_runs(runs: dict[str, str | Path], out: str | Path, *, title: str = "") 
     return out
 
 
+def parse_steps(text: str | None) -> list[int] | None:
+    """``"5-8"`` -> [5, 6, 7, 8]; ``"3"`` -> [3]; None -> every step."""
+    if text is None:
+        return None
+    first, _, last = text.partition("-")
+    try:
+        low, high = int(first), int(last or first)
+    except ValueError:
+        low, high = 0, -1
+    if not 1 <= low <= high:
+        raise ValueError(
+            f"--steps {text!r}: expected A-B with 1 <= A <= B, or one step"
+        )
+    return list(range(low, high + 1))
+
+
 def main(args) -> int:
-    comparisons = compare_runs(args.run_a, args.run_b, rtol=args.rtol, atol=args.atol)
+    steps = parse_steps(args.steps)
+    try:
+        comparisons = compare_runs(
+            args.run_a, args.run_b, rtol=args.rtol, atol=args.atol, steps=steps
+        )
+    except (FileNotFoundError, KeyError) as e:
+        raise ValueError(str(e).strip("'\"")) from None
     mode = "bitwise" if args.rtol == 0 and args.atol == 0 else "tolerance"
-    print(f"{args.run_a} vs {args.run_b} ({mode}, rtol={args.rtol}, atol={args.atol})")
+    span = f", steps {args.steps}" if steps else ""
+    print(
+        f"{args.run_a} vs {args.run_b} ({mode}, rtol={args.rtol}, atol={args.atol}"
+        f"{span})"
+    )
     print(describe(comparisons))
     if args.plot:
         print(f"plot: {plot_runs({'A': args.run_a, 'B': args.run_b}, args.plot)}")

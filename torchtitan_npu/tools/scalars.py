@@ -1,36 +1,53 @@
 """Read a run's TensorBoard scalars exactly (float32 as stored, not printed)."""
 
+import re
 from pathlib import Path
 
 LOSS = "loss_metrics/global_avg_loss"
 GRAD_NORM = "grad_norm"
 
 
-def tensorboard_dir(run: str | Path) -> Path:
-    """The newest TensorBoard folder of a run's dump folder (or the folder itself)."""
+def tensorboard_dirs(run: str | Path) -> list[Path]:
+    """Every TensorBoard folder of a run, oldest launch first.
+
+    A dump folder holds one folder per launch under ``tb/`` (a resumed run is
+    several launches); a folder with event files is taken as it is. Only
+    rank 0's scalars are read when every rank saved its own.
+    """
     run = Path(run)
+    if not run.exists():
+        raise FileNotFoundError(f"{run} does not exist")
     if any(run.glob("events.out.tfevents.*")):
-        return run
-    candidates = sorted(p for p in (run / "tb").glob("*") if p.is_dir())
-    if not candidates:
-        raise FileNotFoundError(f"no TensorBoard events under {run} (or {run}/tb/*)")
-    return candidates[-1]
+        return [run]
+    folders = {
+        p.parent
+        for p in (run / "tb").rglob("events.out.tfevents.*")
+        if not re.fullmatch(r"rank_[1-9]\d*", p.parent.name)
+    }
+    if not folders:
+        raise FileNotFoundError(f"no TensorBoard events under {run} (or {run}/tb/)")
+    return sorted(folders)
 
 
 def read_scalars(
     run: str | Path, tags: tuple[str, ...] = (LOSS, GRAD_NORM)
 ) -> dict[str, dict[int, float]]:
-    """``{tag: {step: value}}`` for the given tags of a run."""
+    """``{tag: {step: value}}`` of a run, over all its launches (a step logged
+    again after a resume takes the later launch's value)."""
     from tensorboard.backend.event_processing.event_accumulator import (
         EventAccumulator,
     )
 
-    accumulator = EventAccumulator(
-        str(tensorboard_dir(run)), size_guidance={"scalars": 0}
-    )
-    accumulator.Reload()
-    present = set(accumulator.Tags()["scalars"])
+    merged: dict[str, dict[int, float]] = {t: {} for t in tags}
+    present: set[str] = set()
+    for folder in tensorboard_dirs(run):
+        accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        found = set(accumulator.Tags()["scalars"])
+        present |= found
+        for tag in found & set(tags):
+            merged[tag].update((e.step, e.value) for e in accumulator.Scalars(tag))
     missing = [t for t in tags if t not in present]
     if missing:
         raise KeyError(f"{run}: no scalars {missing}; present: {sorted(present)}")
-    return {t: {e.step: e.value for e in accumulator.Scalars(t)} for t in tags}
+    return merged
