@@ -23,6 +23,7 @@ nox.options.sessions = [
     "lint",
     "tests",
     "dist",
+    "npu_without_cann",
     *(f"upstream(version='{v}')" for v in VERSIONS if v != DEFAULT),
     "matrix_ci",
 ]
@@ -113,6 +114,32 @@ def dist(session):
         venv / "bin" / "python", ROOT / "tests" / "dist" / "installed_check.py",
         tmp / "work",
         env={"TITAN_NPU_CACHE": str(tmp / "cache"), "TITAN_NPU_DEVICE": "cpu"},
+        **run,
+    )  # fmt: skip
+    shutil.rmtree(tmp)
+
+
+@nox.session(venv_backend="none")
+def npu_without_cann(session):
+    """The real torch-npu wheel on a host without CANN (it breaks `import
+    torch`): the escape hatch trains, the unforced launch fails in one line."""
+    env = ROOT / ".nox" / "npu-without-cann"
+    run = {"external": True}
+    python = env / "bin" / "python"
+    if not python.exists():
+        session.run("uv", "venv", "--quiet", "--python", PYTHON, str(env), **run)
+    requirements = env / "requirements.txt"
+    session.run(
+        "uv", "export", "--frozen", "--no-dev", "--no-emit-project", "--extra", "npu",
+        "--quiet", "--output-file", str(requirements), **run,
+    )  # fmt: skip
+    pip = ["uv", "pip", "install", "--quiet", "--python", str(python)]
+    session.run(*pip, "--require-hashes", "-r", str(requirements), **run)
+    session.run(*pip, "--no-deps", "-e", str(ROOT), **run)
+    tmp = Path(tempfile.mkdtemp(prefix="titan-npu-no-cann-"))
+    session.run(
+        python, ROOT / "tests" / "dist" / "npu_without_cann.py", tmp / "work",
+        env={"TITAN_NPU_CACHE": str(ROOT / ".nox" / "assets-cache")},
         **run,
     )  # fmt: skip
     shutil.rmtree(tmp)

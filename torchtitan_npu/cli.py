@@ -223,6 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    from torchtitan_npu.distributed.device import TorchNpuLoadError
+
+    return ValueError, TorchNpuLoadError
+
+
+USER_ERRORS = _user_errors()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             print(version_report())
             return 0
         return args.handler(args, rest)
-    except ValueError as e:  # ConfigError and other user-facing errors
+    except USER_ERRORS as e:  # ConfigError and other user-facing errors
         print(f"titan-npu: error: {e}", file=sys.stderr)
         return 2
 
