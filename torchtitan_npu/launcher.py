@@ -209,39 +209,45 @@ def record_failure(exc: BaseException) -> None:
     path.write_text(json.dumps(record))
 
 
+def _root_cause(lines: list[str]) -> tuple[str, int] | None:
+    """(rank, exit code) of torchrun's "Root Cause (first observed failure)"."""
+    text = "\n".join(lines)
+    block = text[text.rfind("Root Cause") :] if "Root Cause" in text else ""
+    rank = re.search(r"rank\s*:\s*(\d+)", block)
+    exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", block)
+    return (rank.group(1), int(exitcode.group(1))) if rank and exitcode else None
+
+
 def failure_line(result: RunResult, run_dir: Path) -> tuple[str, int]:
-    """One sentence for a failed run, and the exit code to leave with."""
-    records = [
-        json.loads(p.read_text()) for p in sorted((run_dir / "errors").glob("*.json"))
-    ]
-    if records:
-        first = min(records, key=lambda r: r["time"])
-        message = first["message"].strip().splitlines()[-1][:400]
-        message = message.removeprefix("titan-npu: error: ")
-        others = len(records) - 1
-        also = f"; {others} other rank(s) failed too" if others else ""
+    """One sentence for a failed run, and the exit code to leave with: the
+    first failed rank (torchrun's root cause), what it raised or which signal
+    ended it, and where the full log is."""
+    records = {}
+    for path in sorted((run_dir / "errors").glob("*.json")):
+        record = json.loads(path.read_text())
+        records[str(record["rank"])] = record
+    root = _root_cause(result.lines)
+    if root is None and records:
+        first = min(records.values(), key=lambda r: r["time"])
+        root = (str(first["rank"]), int(first["exitcode"]))
+    if root is None:
         return (
-            f"rank {first['rank']} failed: {message}{also} (full log: {result.log})",
-            int(first["exitcode"]),
+            f"torchrun exited with code {result.returncode} (full log: {result.log})",
+            result.returncode or 1,
         )
-    text = "\n".join(result.lines)
-    rank = re.search(r"rank\s*:\s*(\d+)", text)
-    exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", text)
-    if rank and exitcode:
-        code = int(exitcode.group(1))
-        if code < 0:
-            how = f"was killed by {signal.Signals(-code).name}"
-            code = 128 - code
-        else:
-            how = f"exited with code {code}"
-        return (
-            f"rank {rank.group(1)} {how} (full log: {result.log})",
-            code,
-        )
-    return (
-        f"torchrun exited with code {result.returncode} (full log: {result.log})",
-        result.returncode or 1,
-    )
+    rank, code = root
+    if rank in records:
+        message = records[rank]["message"].strip().splitlines()[-1][:400]
+        how = "failed: " + message.removeprefix("titan-npu: error: ")
+        code = int(records[rank]["exitcode"])
+    elif code < 0:
+        how = f"was killed by {signal.Signals(-code).name}"
+        code = 128 - code
+    else:
+        how = f"exited with code {code}"
+    others = len(set(records) - {rank})
+    also = f"; {others} other rank(s) failed after it" if others else ""
+    return f"rank {rank} {how}{also} (full log: {result.log})", code
 
 
 _STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[0-9.]+(?:e[-+]?\d+)?)")

@@ -1,0 +1,210 @@
+"""`titan-npu train` as a user meets it: errors before launch, failures in the
+ranks, killed launchers, busy dump folders, the closing summary."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import SMALL_RUN
+
+from torchtitan_npu import bootstrap, launcher
+from torchtitan_npu.cli import main
+
+BAD_INPUTS = [
+    (["--training.steps", "abc"], "'training.steps' = 'abc': expected an integer"),
+    (["--optimizer.lr", "fast"], "'optimizer.lr' = 'fast': expected a number"),
+    (["--training.max_norm", "[1]"], "'training.max_norm' = [1]: expected a number"),
+    (["--nproc-per-node", "0"], "--nproc-per-node '0': expected a positive integer"),
+    (["--nproc-per-node", "abc"], "--nproc-per-node 'abc'"),
+    (["--nnodes", "two"], "--nnodes 'two'"),
+    (
+        ["--nproc-per-node", "2", "--parallelism.tensor_parallel_degree", "4"],
+        "needs a multiple of 4 processes, but this launch has 2",
+    ),
+    (["--parallelism.tensor_parallel_degree", "0"], "must be at least 1"),
+    (
+        ["--training.dataset", "c4_test", "--training.dataset_path", "/no/such/data"],
+        "training.dataset_path: dataset path /no/such/data does not exist",
+    ),
+    (["--training.dataset_path", "/no/such/data"], "training.dataset is 'embedded'"),
+    (["--checkpoint.initial_load_path", "/no/such/ckpt"], "/no/such/ckpt does not"),
+    (["--model.name", "nosuch"], "unknown model 'nosuch'"),
+    (["--model.flavor", "nosuch"], "has no flavor 'nosuch'"),
+    (["--training.bogus_key", "1"], "'training.bogus_key' has no counterpart"),
+    (["--config", "/no/such.toml"], "train config /no/such.toml does not exist"),
+    (["--training.steps", "3", "stray"], "expected a --section.key override"),
+]
+
+
+@pytest.fixture
+def deactivate_after():
+    yield
+    bootstrap.deactivate()  # preflight activates the overlay in this process
+
+
+@pytest.mark.parametrize("args, problem", BAD_INPUTS, ids=lambda v: str(v)[:40])
+def test_bad_input_is_one_line_before_launch(
+    args, problem, tmp_path, capsys, deactivate_after
+):
+    dump = tmp_path / "run"
+    code = main(["train", "--job.dump_folder", str(dump), *args])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2, captured
+    assert len(lines) == 1 and lines[0].startswith("titan-npu: error: "), lines
+    assert problem in lines[0], lines[0]
+    assert not dump.exists(), "nothing may be left behind"
+    assert not captured.out
+
+
+def test_process_counts():
+    assert launcher.world_size("4", "2") == 8
+    assert launcher.world_size("8", "1:4") is None  # elastic: torchrun decides
+    for nproc, nnodes in [("0", "1"), ("-1", "1"), ("2", "0"), ("2", "3:1")]:
+        with pytest.raises(launcher.LaunchError):
+            launcher.world_size(nproc, nnodes)
+
+
+def test_busy_dump_folder_is_refused_and_a_dead_owner_frees_it(tmp_path):
+    owner = launcher.DumpFolderLock(tmp_path)
+    owner.acquire()
+    second = launcher.DumpFolderLock(tmp_path)
+    with pytest.raises(launcher.LaunchError, match=f"pid {os.getpid()} on "):
+        second.acquire()
+    owner.release(started=True)
+    second.acquire()  # the kernel dropped the first flock
+    second.release(started=True)
+    assert tmp_path.is_dir()
+
+
+def test_failure_line_names_the_root_cause_rank(tmp_path):
+    log = tmp_path / "launcher.log"
+    torchrun_tail = [
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  rank      : 1 (local_rank: 1)",
+        "  exitcode  : -9 (pid: 4242)",
+    ]
+    result = launcher.RunResult(1, log, torchrun_tail, 1.0)
+    line, code = launcher.failure_line(result, tmp_path)
+    assert line == f"rank 1 was killed by SIGKILL (full log: {log})"
+    assert code == 128 + signal.SIGKILL
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    record = {"rank": "1", "message": "ValueError: bad shard", "exitcode": 1}
+    (errors / "rank-1.json").write_text(json.dumps({**record, "time": 2.0}))
+    record = {"rank": "0", "message": "RuntimeError: peer gone", "exitcode": 1}
+    (errors / "rank-0.json").write_text(json.dumps({**record, "time": 3.0}))
+    line, code = launcher.failure_line(result, tmp_path)
+    assert line.startswith("rank 1 failed: ValueError: bad shard; 1 other rank(s)")
+    assert code == 1
+
+
+# End to end: real launchers, torchrun and workers.
+
+
+def launch(dump: Path, *args: str, steps: int = 4) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "TITAN_NPU_NO_BOOTSTRAP"}
+    env.setdefault("TITAN_NPU_DEVICE", "cpu")
+    command = [
+        sys.executable, "-m", "torchtitan_npu.cli", "train",
+        "--job.dump_folder", str(dump), "--training.steps", str(steps),
+        *SMALL_RUN, *args,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for_step(process: subprocess.Popen, step: int) -> list[str]:
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if f"step: {step:2d}" in launcher._ANSI.sub("", line):
+            return seen
+    raise AssertionError(f"the run ended before step {step}:\n{''.join(seen)}")
+
+
+def workers_of(dump: Path) -> dict[int, str]:
+    """pid -> RANK of the live worker processes training into ``dump``."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "torchtitan_npu.entry" not in cmdline or str(dump) not in cmdline:
+                continue
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        rank = next((e[5:].decode() for e in environ if e.startswith(b"RANK=")), "?")
+        found[int(proc.name)] = rank
+    return found
+
+
+def wait_until(predicate, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+@pytest.mark.e2e
+def test_finished_run_prints_a_summary(tmp_path):
+    process = launch(tmp_path / "run", steps=2)
+    out, err = process.communicate()
+    assert process.returncode == 0, err
+    summary = out[out.index("titan-npu: trained") :]
+    assert summary.startswith("titan-npu: trained steps 1-2 in ")
+    assert "loss 8." in summary and "log:" in summary and "tensorboard:" in summary
+    for noise in ("Traceback", "Peak flops undefined", "lspci", "torch.compile()"):
+        assert noise not in out + err, noise
+    assert "has no effect without an initial_load_path" not in out + err
+
+
+@pytest.mark.e2e
+def test_killed_rank_is_one_line_with_its_signal(tmp_path):
+    dump = tmp_path / "run"
+    process = launch(dump, "--nproc-per-node", "2", steps=200)
+    wait_for_step(process, 1)
+    victim = next(pid for pid, rank in workers_of(dump).items() if rank == "1")
+    os.kill(victim, signal.SIGKILL)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGKILL, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("titan-npu: error: rank 1 was killed by SIGKILL")
+    assert "Traceback" not in out + err
+    log = Path(lines[0].rsplit("full log: ", 1)[1].rstrip(")"))
+    assert "ChildFailedError" in log.read_text()  # the details are kept
+
+
+@pytest.mark.e2e
+def test_killed_launcher_takes_its_workers_and_frees_the_folder(tmp_path):
+    dump = tmp_path / "run"
+    process = launch(
+        dump,
+        "--checkpoint.enable", "true", "--checkpoint.interval", "1",
+        steps=500,
+    )  # fmt: skip
+    wait_for_step(process, 2)
+    assert workers_of(dump)
+    second = launch(dump)
+    _, err = second.communicate(timeout=120)
+    assert second.returncode == 2
+    assert f"is in use by a live run (pid {process.pid} on" in err
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert wait_until(lambda: not workers_of(dump), 30), workers_of(dump)
+    checkpoints = sorted((dump / "checkpoint").glob("step-*"))
+    time.sleep(3)
+    assert sorted((dump / "checkpoint").glob("step-*")) == checkpoints
+    lock = launcher.DumpFolderLock(dump)
+    lock.acquire()  # nobody holds it any more
+    lock.release(started=True)
