@@ -30,18 +30,31 @@ def broken_torch_npu(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_broken_torch_npu_is_a_clear_error(broken_torch_npu):
+def test_broken_torch_npu_is_a_clear_error(broken_torch_npu, monkeypatch):
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    monkeypatch.delenv("TORCH_DEVICE_BACKEND_AUTOLOAD", raising=False)
     with pytest.raises(TorchNpuLoadError) as info:
         load_torch_npu()
     message = str(info.value)
-    assert "libhccl.so" in message
-    assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in message
+    assert "libhccl.so" in message and "\n" not in message
+    assert "--device cpu" in message
     assert "CANN" in message
+
+
+@pytest.mark.parametrize(
+    "env", [{DEVICE_ENV: "cpu"}, {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}]
+)
+def test_escape_hatch_keeps_torch_npu_out(broken_torch_npu, monkeypatch, env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert load_torch_npu() is None  # the broken torch_npu is never imported
+    assert "torch_npu" not in sys.modules
 
 
 def test_doctor_reports_broken_torch_npu_plainly(broken_torch_npu):
     env = dict(os.environ, PYTHONPATH=str(broken_torch_npu))
-    env.pop("TITAN_NPU_NO_BOOTSTRAP", None)
+    for name in ("TITAN_NPU_NO_BOOTSTRAP", DEVICE_ENV, "TORCH_DEVICE_BACKEND_AUTOLOAD"):
+        env.pop(name, None)
     result = subprocess.run(
         [sys.executable, "-m", "torchtitan_npu.cli", "doctor"],
         env=env,
@@ -50,7 +63,7 @@ def test_doctor_reports_broken_torch_npu_plainly(broken_torch_npu):
     )
     assert result.returncode == 1
     assert "NOT ACTIVE: TorchNpuLoadError" in result.stdout
-    assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in result.stdout
+    assert "--device cpu" in result.stdout
 
 
 def test_without_torch_npu_nothing_is_loaded():
