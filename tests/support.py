@@ -76,3 +76,13 @@ def newest_of_its_era() -> bool:
 def requires_newest_of_era(why: str):
     """Run a slow test once per era (CI time); older entries share its code path."""
     return pytest.mark.skipif(not newest_of_its_era(), reason=why)
+
+
+def requires_default_upstream(why: str):
+    """Run a slow, era-independent test only on the default upstream (CI time)."""
+    from torchtitan_npu.compat.lock import default_entry, read_lock
+
+    default = default_entry(read_lock()).version
+    return pytest.mark.skipif(
+        resolve_upstream().installed.version != default, reason=why
+    )

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import SMALL_RUN
+from support import SMALL_RUN, requires_default_upstream, requires_newest_of_era
 
 from torchtitan_npu import bootstrap, launcher
 from torchtitan_npu.cli import main
@@ -156,6 +156,7 @@ def wait_until(predicate, seconds: float) -> bool:
 
 
 @pytest.mark.e2e
+@requires_newest_of_era("upstream's log noise differs per era, not per release")
 def test_finished_run_prints_a_summary(tmp_path):
     process = launch(tmp_path / "run", steps=2)
     out, err = process.communicate()
@@ -169,6 +170,7 @@ def test_finished_run_prints_a_summary(tmp_path):
 
 
 @pytest.mark.e2e
+@requires_default_upstream("the launcher's process handling is era-independent")
 def test_killed_rank_is_one_line_with_its_signal(tmp_path):
     dump = tmp_path / "run"
     process = launch(dump, "--nproc-per-node", "2", steps=200)
@@ -186,6 +188,7 @@ def test_killed_rank_is_one_line_with_its_signal(tmp_path):
 
 
 @pytest.mark.e2e
+@requires_default_upstream("the launcher's process handling is era-independent")
 def test_killed_launcher_takes_its_workers_and_frees_the_folder(tmp_path):
     dump = tmp_path / "run"
     process = launch(

@@ -231,10 +231,12 @@ def failure_line(result: RunResult, run_dir: Path) -> tuple[str, int]:
         first = min(records.values(), key=lambda r: r["time"])
         root = (str(first["rank"]), int(first["exitcode"]))
     if root is None:
-        return (
-            f"torchrun exited with code {result.returncode} (full log: {result.log})",
-            result.returncode or 1,
-        )
+        code = result.returncode
+        if code < 0:
+            how, code = f"was killed by {signal.Signals(-code).name}", 128 - code
+        else:
+            how = f"exited with code {code}"
+        return f"torchrun {how} (full log: {result.log})", code or 1
     rank, code = root
     if rank in records:
         message = records[rank]["message"].strip().splitlines()[-1][:400]
