@@ -20,11 +20,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise launcher.LaunchError("--nnodes other than 1 needs --rdzv-endpoint")
     if args.device:
         os.environ[DEVICE_ENV] = args.device
-    check_torch_loads()  # a torch_npu without CANN: one line, not torch's traceback
 
     from torchtitan_npu.config import preflight, resolve
 
-    config = resolve(args.config, overrides)
+    config = resolve(args.config, overrides)  # no torch yet: TOML errors are instant
     launch = f"--nproc-per-node {args.nproc_per_node} x --nnodes {args.nnodes}"
     launch_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     metrics = config.setdefault("metrics", {})
@@ -35,6 +34,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     lock.acquire()  # before the slow checks: a busy folder fails at once
     result = None
     try:
+        check_torch_loads()  # torch_npu without CANN: one line, not a traceback
         preflight.check(config, world_size=world_size, launch=launch)
         run_dir = dump_folder / "logs" / launch_id
         run_dir.mkdir(parents=True)
