@@ -111,7 +111,7 @@ def dist(session):
     session.run(*pip, "--require-hashes", "-r", str(requirements), **run)
     session.run(*pip, "--no-deps", str(wheel), **run)
     session.run(
-        venv / "bin" / "python", ROOT / "tests" / "dist" / "installed_check.py",
+        venv / "bin" / "python", ROOT / "tests" / "install" / "installed_check.py",
         tmp / "work",
         env={"TITAN_NPU_CACHE": str(tmp / "cache"), "TITAN_NPU_DEVICE": "cpu"},
         **run,
@@ -138,7 +138,7 @@ def npu_without_cann(session):
     session.run(*pip, "--no-deps", "-e", str(ROOT), **run)
     tmp = Path(tempfile.mkdtemp(prefix="titan-npu-no-cann-"))
     session.run(
-        python, ROOT / "tests" / "dist" / "npu_without_cann.py", tmp / "work",
+        python, ROOT / "tests" / "install" / "npu_without_cann.py", tmp / "work",
         env={"TITAN_NPU_CACHE": str(ROOT / ".nox" / "assets-cache")},
         **run,
     )  # fmt: skip
