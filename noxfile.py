@@ -1,8 +1,8 @@
 """Sessions: lint, tests (the locked env), dist (the built wheel in a clean
-venv), upstream (one env per upstream.lock entry), matrix (every locked
+venv), npu_without_cann (torch-npu on a host without CANN), upstream (one env per upstream.lock entry), matrix (every locked
 upstream x every parallel layout), matrix_ci (CI's share of it), docs.
-`uv run nox` runs lint, tests, dist, the upstream sessions of the non-default
-lock entries, and matrix_ci."""
+`uv run nox` runs lint, tests, dist, npu_without_cann, the upstream sessions
+of the non-default lock entries, and matrix_ci."""
 
 import os
 import shutil
@@ -180,11 +180,12 @@ def matrix(session):
 
 # CI's share of the matrix (the full one takes ~35 min here): the llama3
 # layouts (one PP schedule, selective AC) and the core qwen2 ones on the default
-# upstream, and the core layouts on the newest of the other era.
+# upstream, and the core layouts on the newest of the other era (cp there is
+# the slowest cell, 2.3 min: the default upstream's cp row covers the patch).
 CI_MATRIX = {
     DEFAULT: "single,ddp,fsdp,hsdp,tp,fsdp_tp,pp_1f1b,pp_fsdp,cp,fsdp_ac_selective,"
     "qwen2_single,qwen2_fsdp,qwen2_tp,qwen2_pp_1f1b,converters_fsdp_tp",
-    "0.2.2": "single,ddp,fsdp,tp,pp_1f1b,cp,qwen2_fsdp,qwen2_pp_1f1b,converters_fsdp",
+    "0.2.2": "single,ddp,fsdp,tp,pp_1f1b,qwen2_fsdp,qwen2_pp_1f1b,converters_fsdp",
 }
 
 

@@ -50,7 +50,9 @@ def broken_lock(workdir: Path) -> None:
     lock = Path(torchtitan_npu.__file__).parent / "upstream.lock"
     original = lock.read_bytes()
     try:
-        lock.write_text(original.decode().replace("\n[[upstream]]\n", "\n[[upstream]\n", 1))
+        lock.write_text(
+            original.decode().replace("\n[[upstream]]\n", "\n[[upstream]\n", 1)
+        )
         result = run(workdir, "--version", expect=2)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and str(lock) in lines[0], result.stderr
