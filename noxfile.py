@@ -1,8 +1,9 @@
 """Sessions: lint, tests (the locked env), dist (the built wheel in a clean
-venv), npu_without_cann (torch-npu on a host without CANN), upstream (one env per upstream.lock entry), matrix (every locked
-upstream x every parallel layout), matrix_ci (CI's share of it), docs.
-`uv run nox` runs lint, tests, dist, npu_without_cann, the upstream sessions
-of the non-default lock entries, and matrix_ci."""
+venv), npu_without_cann (torch-npu on a host without CANN), upstream (one env
+per upstream.lock entry), matrix (every locked upstream x every parallel
+layout), matrix_ci (CI's share of it), docs. `uv run nox` runs lint, tests,
+dist, npu_without_cann, the upstream sessions of the non-default lock entries,
+and matrix_ci."""
 
 import os
 import shutil
