@@ -82,8 +82,19 @@ def check(config: dict[str, Any], *, world_size: int | None, launch: str) -> Non
 
     quiet_upstream_noise()
     activation = activate()
-    era_translator(activation.context.era).translate(
-        config,
-        version=activation.upstream.installed.version,
-        device_type=activation.context.device_type,
-    )
+    version = activation.upstream.installed.version
+    try:
+        era_translator(activation.context.era).translate(
+            config, version=version, device_type=activation.context.device_type
+        )
+    except ConfigError:
+        raise
+    except Exception as e:
+        if activation.upstream.tested:
+            raise
+        # An untested upstream (opt-in) whose config API is not its era's.
+        raise ConfigError(
+            f"torchtitan {version} is untested and its config API differs from "
+            f"era {activation.context.era}'s ({type(e).__name__}: {e}); install "
+            "a tested upstream (titan-npu --version lists the lock)"
+        ) from e
