@@ -68,6 +68,15 @@ def lint(session):
 
 
 @nox.session(venv_backend="none")
+def quick(session):
+    """The inner loop: unit tests only (no torchrun launches, no matrix)."""
+    session.run(
+        "uv", "run", "--frozen", "pytest", "-n", "2", "-q", "-m", "not e2e",
+        *session.posargs, external=True,
+    )  # fmt: skip
+
+
+@nox.session(venv_backend="none")
 def tests(session):
     """Unit + end-to-end tests in the locked environment (default upstream)."""
     session.run("uv", "run", "--frozen", "pytest", "-n", "2", *session.posargs)

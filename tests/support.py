@@ -22,6 +22,7 @@ SMALL_RUN = [
 def train(dump_folder: Path, *args: str, nproc: int = 1, steps: int = 4) -> dict:
     """Run `titan-npu train`; return ``{tag: {step: value}}`` from TensorBoard."""
     env = {k: v for k, v in os.environ.items() if k != "TITAN_NPU_NO_BOOTSTRAP"}
+    env.setdefault("TITAN_NPU_DEVICE", "cpu")  # gloo on CPU unless a device is asked
     command = [
         sys.executable, "-m", "torchtitan_npu.cli", "train",
         "--nproc-per-node", str(nproc),

@@ -472,6 +472,7 @@ def test_train_config_translation(era, upstream):
 # --- training ----------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @requires_newest_of_era("one end-to-end converter run per era")
 def test_training_with_converters_matches_without(tmp_path):
     names = "rms_norm,rope,attention,swiglu"

@@ -291,6 +291,7 @@ def test_flavor_inferred_from_config_json(llama_hf, tmp_path):
     assert result.nbytes == hf.nbytes
 
 
+@pytest.mark.e2e
 @requires_newest_of_era("CLI wiring is era-independent; run once per era (CI time)")
 def test_cli_convert(llama_hf, tmp_path):
     command = [sys.executable, "-m", "torchtitan_npu.cli", "convert"]

@@ -26,6 +26,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torchtitan_npu.bootstrap import activate
 from torchtitan_npu.compat import resolve_upstream
 from torchtitan_npu.config import era_translator, resolve
+from torchtitan_npu.distributed import DEVICE_ENV
 from torchtitan_npu.entry import run_upstream
 from torchtitan_npu.tools.scalars import read_scalars
 
@@ -46,6 +47,8 @@ class WarmLauncher:
 
     def __init__(self, workdir: Path) -> None:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # gloo on CPU, even on an accelerator host, unless a device is asked for.
+        os.environ.setdefault(DEVICE_ENV, "cpu")
         self.job_file = workdir / "upstream-job"
         os.environ[JOB_FILE_ENV] = str(self.job_file)
         # The fork server is a new interpreter: it finds warm_upstream (and this

@@ -1,5 +1,5 @@
-"""Parallelize Qwen2 with torch's own APIs, in the order the seed guide
-prescribes: TP -> activation checkpointing -> compile -> FSDP2.
+"""Parallelize Qwen2 with torch's own APIs, in upstream torchtitan's order:
+TP -> activation checkpointing -> compile -> FSDP2.
 
 Era-neutral: the era glue (trainspec.py / config_registry.py) reads its
 upstream's config and parallel dims into a `Plan`.
