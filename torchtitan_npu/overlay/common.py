@@ -124,6 +124,20 @@ FSDP_SUM_REDUCTION = Patch(
 )
 
 
+def eager_flex_attention(*args, **kwargs):
+    """torch's eager flex_attention, without its "called without torch.compile"
+    notice: on CPU eager is the point (the compiled kernel has no backward)."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", "flex_attention called without torch.compile", UserWarning
+        )
+        return flex_attention(*args, **kwargs)
+
+
 def skip_unless_cpu(ctx: PatchContext) -> str | None:
     return None if ctx.device_type == "cpu" else f"not on cpu ({ctx.device_type})"
 

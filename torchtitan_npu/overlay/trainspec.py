@@ -1,18 +1,10 @@
 """Patches of the TrainSpec era (torchtitan 0.2.x)."""
 
-import warnings
-
-from torchtitan_npu.overlay.common import skip_unless_cpu
+from torchtitan_npu.overlay.common import eager_flex_attention, skip_unless_cpu
 from torchtitan_npu.overlay.registry import Change, Patch, PatchContext, Target
-
-# torch's notice that eager flex_attention is unfused: on CPU that is the
-# point (see the patch reason), so the notice is dropped in this call only.
-_EAGER_FLEX_NOTICE = "flex_attention called without torch.compile"
 
 
 def _apply_eager_flex(target: Target, ctx: PatchContext) -> list[Change]:
-    from torch.nn.attention.flex_attention import flex_attention
-
     def forward(
         self,
         q,
@@ -27,18 +19,16 @@ def _apply_eager_flex(target: Target, ctx: PatchContext) -> list[Change]:
     ):
         # Eager flex_attention differentiates on CPU (see flex_cpu_backward);
         # the compiled CPU kernel cannot.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", _EAGER_FLEX_NOTICE, UserWarning)
-            return flex_attention(
-                q,
-                k,
-                v,
-                score_mod=score_mod,
-                block_mask=block_mask,
-                scale=scale,
-                enable_gqa=enable_gqa,
-                return_lse=return_lse,
-            )
+        return eager_flex_attention(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            return_lse=return_lse,
+        )
 
     return [Change(target.owner, target.attr, forward)]
 
