@@ -19,6 +19,7 @@ import torch
 
 from torchtitan_npu import converters
 from torchtitan_npu.bootstrap import activate
+from torchtitan_npu.overlay import OVERLAY
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 from torchtitan_npu.tools.table import format_markdown_table
 
@@ -74,9 +75,7 @@ def main() -> None:
     era, device_type = context.era, context.device_type
     rows = []
     for model in options.models.split(","):
-        names = [
-            n for n, c in converters.all_converters().items() if model in c.models(era)
-        ]
+        names = [n for n, c in converters.CONVERTERS.items() if model in c.models(era)]
         variants = {"none": [], **{n: [n] for n in names}, "all": names}
         tokens = torch.randint(
             0, 2000, (options.batch, options.seq), device=device_type
@@ -94,7 +93,7 @@ def main() -> None:
                     getattr(torch, device_type).synchronize()
                 if round_ >= 2:
                     times[variant].append(time.perf_counter() - start)
-        converters.restore_functions()
+        OVERLAY.revert_on_request()
         base = statistics.median(times["none"])
         for variant in variants:
             median = statistics.median(times[variant])

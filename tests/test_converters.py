@@ -18,8 +18,17 @@ from support import LOSS, requires_newest_of_era, train
 
 from torchtitan_npu import converters
 from torchtitan_npu.bootstrap import activate, deactivate
-from torchtitan_npu.converters import kernels
-from torchtitan_npu.converters.registry import ConverterError, converted_class
+from torchtitan_npu.compat import era_module
+from torchtitan_npu.converters.ops import (
+    attention,
+    grouped_mm,
+    rms_norm,
+    rope,
+    swiglu,
+    token_permute,
+)
+from torchtitan_npu.converters.registry import ConverterError
+from torchtitan_npu.overlay import OVERLAY
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 
 MODELS = ["llama3", "qwen3", "deepseek_v3"]
@@ -41,7 +50,13 @@ def era(overlay):
 @pytest.fixture(autouse=True)
 def restore_functions():
     yield
-    converters.restore_functions()
+    OVERLAY.revert_on_request()
+
+
+def converted_class(cls, replacement, name, device_type, era):
+    return era_module("torchtitan_npu.converters", era).converted_class(
+        cls, replacement, name, device_type
+    )
 
 
 def converted_model(model: str, names: list[str], era: str, device_type="cpu"):
@@ -231,16 +246,16 @@ class RecordingTorchNpu(types.ModuleType):
 
     def npu_rms_norm(self, x, gamma, epsilon):
         self._record("npu_rms_norm", (x, gamma), {"epsilon": epsilon})
-        return kernels.rms_norm_native(x, gamma.shape, gamma, epsilon), None
+        return rms_norm.native(x, gamma.shape, gamma, epsilon), None
 
     def npu_rotary_mul(self, x, cos, sin, rotary_mode):
         self._record("npu_rotary_mul", (x, cos, sin), {"rotary_mode": rotary_mode})
-        return kernels.rotary_native(x, cos, sin, rotary_mode == "interleave")
+        return rope.native(x, cos, sin, rotary_mode == "interleave")
 
     def npu_fusion_attention(self, q, k, v, head_num, input_layout, **kwargs):
         self._record("npu_fusion_attention", (q, k, v, head_num, input_layout), kwargs)
         mask = None if kwargs["sparse_mode"] == 3 else ~kwargs["atten_mask"]
-        out = kernels.attention_native(
+        out = attention.native(
             q,
             k,
             v,
@@ -253,21 +268,21 @@ class RecordingTorchNpu(types.ModuleType):
     def npu_swiglu(self, x, dim):
         self._record("npu_swiglu", (x,), {"dim": dim})
         gate, up = x.chunk(2, dim=dim)
-        return kernels.swiglu_native(gate, up)
+        return swiglu.native(gate, up)
 
     def npu_grouped_matmul(self, x, weight, **kwargs):
         self._record("npu_grouped_matmul", (x, weight), kwargs)
-        return [kernels.grouped_mm_loop(x[0], weight[0], kwargs["group_list"])]
+        return [grouped_mm.loop(x[0], weight[0], kwargs["group_list"])]
 
     def npu_moe_token_permute(self, tokens, indices):
         self._record("npu_moe_token_permute", (tokens, indices), {})
-        return kernels.permute_native(tokens, indices)
+        return token_permute.permute_native(tokens, indices)
 
     def npu_moe_token_unpermute(self, permuted_tokens, sorted_indices, probs):
         self._record(
             "npu_moe_token_unpermute", (permuted_tokens, sorted_indices, probs), {}
         )
-        return kernels.unpermute_native(permuted_tokens, sorted_indices, probs)
+        return token_permute.unpermute_native(permuted_tokens, sorted_indices, probs)
 
 
 @pytest.fixture
@@ -279,37 +294,37 @@ def torch_npu(monkeypatch):
 
 def test_npu_kernels_call_torch_npu(torch_npu):
     x = torch.randn(2, 8, 4, 16)
-    kernels.rms_norm_npu(x, (16,), None, None)
+    rms_norm.npu(x, (16,), None, None)
     name, (_, gamma), kwargs = torch_npu.calls[-1]
     assert name == "npu_rms_norm" and torch.equal(gamma, torch.ones(16))
     assert kwargs == {"epsilon": torch.finfo(torch.float32).eps}
 
     cos, sin = torch.randn(1, 8, 1, 16), torch.randn(1, 8, 1, 16)
-    kernels.rotary_npu(x, cos, sin, False)
+    rope.npu(x, cos, sin, False)
     assert torch_npu.calls[-1][2] == {"rotary_mode": "half"}
-    kernels.rotary_npu(x, cos, sin, True)
+    rope.npu(x, cos, sin, True)
     assert torch_npu.calls[-1][2] == {"rotary_mode": "interleave"}
 
     q = torch.randn(2, 4, 8, 16)
-    kernels.attention_npu(q, q, q, mask=None, scale=None, enable_gqa=False)
+    attention.npu(q, q, q, mask=None, scale=None, enable_gqa=False)
     name, args, kwargs = torch_npu.calls[-1]
     assert args[3:] == (4, "BNSD") and kwargs["sparse_mode"] == 3
     assert kwargs["atten_mask"].shape == (2048, 2048)
     assert kwargs["atten_mask"][0, 1] and not kwargs["atten_mask"][1, 0]
     assert kwargs["scale"] == 16**-0.5 and kwargs["keep_prob"] == 1.0
     allowed = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
-    kernels.attention_npu(q, q, q, mask=allowed, scale=0.5, enable_gqa=False)
+    attention.npu(q, q, q, mask=allowed, scale=0.5, enable_gqa=False)
     kwargs = torch_npu.calls[-1][2]
     assert kwargs["sparse_mode"] == 0 and torch.equal(kwargs["atten_mask"], ~allowed)
 
     gate, up = torch.randn(3, 5), torch.randn(3, 5)
-    kernels.swiglu_npu(gate, up)
+    swiglu.npu(gate, up)
     name, (fused,), kwargs = torch_npu.calls[-1]
     assert torch.equal(fused, torch.cat((gate, up), -1)) and kwargs == {"dim": -1}
 
     a, b_t = torch.randn(10, 4), torch.randn(3, 4, 6)
     offs = torch.tensor([2, 2, 10], dtype=torch.int32)
-    kernels.grouped_mm_npu(a, b_t, offs)
+    grouped_mm.npu(a, b_t, offs)
     name, ([x], [w]), kwargs = torch_npu.calls[-1]
     assert x is a and w is b_t and kwargs["group_list"].dtype == torch.int64
     assert kwargs["group_list"].tolist() == [2, 2, 10]
@@ -318,11 +333,11 @@ def test_npu_kernels_call_torch_npu(torch_npu):
 
     tokens = torch.randn(6, 4, dtype=torch.bfloat16)
     expert_ids = torch.randint(8, (6, 2))
-    routed, rows = kernels.permute_npu(tokens, expert_ids)
+    routed, rows = token_permute.permute_npu(tokens, expert_ids)
     name, args, _ = torch_npu.calls[-1]
     assert name == "npu_moe_token_permute" and args == (tokens, expert_ids)
     probs = torch.rand(6, 2)
-    kernels.unpermute_npu(routed, rows, probs)
+    token_permute.unpermute_npu(routed, rows, probs)
     name, (permuted, sorted_indices, weights), _ = torch_npu.calls[-1]
     assert permuted is routed and sorted_indices is rows
     assert weights.dtype == torch.bfloat16 and torch.equal(weights, probs.bfloat16())
@@ -341,9 +356,9 @@ def test_npu_kernels_leave_dtensors_to_native(torch_npu, tmp_path):
         gate, up = (
             distribute_tensor(torch.randn(3, 5), mesh, [Replicate()]) for _ in "gu"
         )
-        out = kernels.swiglu_npu(gate, up)
+        out = swiglu.npu(gate, up)
         assert isinstance(out, DTensor) and torch_npu.calls == []
-        kernels.swiglu_npu(gate.to_local(), up.to_local())
+        swiglu.npu(gate.to_local(), up.to_local())
         assert [name for name, _, _ in torch_npu.calls] == ["npu_swiglu"]
     finally:
         dist.destroy_process_group()

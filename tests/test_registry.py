@@ -1,19 +1,20 @@
 """The patch registry against the real installed upstream."""
 
 import warnings
+from typing import get_args
 
 import pytest
 import torch
 
+from torchtitan_npu.compat import Era
 from torchtitan_npu.distributed import backend_for, cpu_device_module
 from torchtitan_npu.overlay import (
-    ERAS,
     Overlay,
     PatchContext,
     PatchTargetError,
     patches_for,
 )
-from torchtitan_npu.overlay.registry import fingerprint, resolve_target
+from torchtitan_npu.overlay.registry import PatchKind, fingerprint, resolve_target
 
 
 def cpu_context(upstream, *, tested=True) -> PatchContext:
@@ -147,12 +148,12 @@ def test_not_needed_patches_are_reported_not_applied(upstream):
         assert _fsdp_collectives._get_gradient_divide_factors is original
 
 
-@pytest.mark.parametrize("era", ERAS)
+@pytest.mark.parametrize("era", list(Era))
 def test_patch_sets_have_unique_names_and_targets(era):
     patches = patches_for(era)
     assert len({p.name for p in patches}) == len(patches)
     assert len({p.target for p in patches}) == len(patches)
-    assert all(p.kind in ("wrap", "replace", "polyfill", "inject") for p in patches)
+    assert all(p.kind in get_args(PatchKind) for p in patches)
     assert all(p.reason for p in patches)
 
 
@@ -279,3 +280,36 @@ def test_a_failing_patch_leaves_nothing_applied(upstream, monkeypatch):
             overlay.apply(patches_for(upstream.era), ctx, upstream.fingerprints)
         assert _fsdp_collectives._get_gradient_divide_factors is original
         assert not overlay.active
+
+
+def test_converter_records_are_verified_then_applied_on_request(upstream):
+    overlay = Overlay()
+    rows = overlay.apply(
+        patches_for(upstream.era), cpu_context(upstream), upstream.fingerprints
+    )
+    try:
+        records = [r.patch for r in rows if r.patch.kind == "convert"]
+        assert records and all(states(rows)[p.name] == "on request" for p in records)
+        for patch in records:
+            overlay.apply_on_request(patch.name)
+            assert states(overlay.status)[patch.name] == "applied"
+        overlay.revert_on_request()
+        assert all(states(overlay.status)[p.name] == "on request" for p in records)
+        with pytest.raises(PatchTargetError, match="'nope' is not in the active"):
+            overlay.apply_on_request("nope")
+    finally:
+        overlay.revert()
+    # every record's target is as it was: functions put back, classes untouched
+    for patch in records:
+        target = resolve_target(patch.target)
+        assert fingerprint(target.obj) == upstream.fingerprints[patch.target]
+
+
+def test_a_change_to_a_missing_attribute_is_refused(upstream):
+    import torchtitan.tools.utils as tools_utils
+
+    from torchtitan_npu.overlay.registry import Change, _set
+
+    with pytest.raises(AttributeError, match="has no attribute 'renamed_upstream'"):
+        _set(Change(tools_utils, "renamed_upstream", 1))
+    assert not hasattr(tools_utils, "renamed_upstream")

@@ -9,6 +9,7 @@ from torchtitan_npu.compat.detect import (
     detect_era,
     installed_upstream,
 )
+from torchtitan_npu.compat.era import Era, era_module, parse_era
 from torchtitan_npu.compat.lock import (
     LockError,
     UpstreamEntry,
@@ -30,7 +31,7 @@ class Upstream:
     """The running upstream: what is installed and what the lock says of it."""
 
     installed: InstalledUpstream
-    era: str
+    era: Era
     entry: UpstreamEntry | None  # None: untested, running by opt-in
 
     @property
@@ -64,7 +65,7 @@ def resolve_upstream(
     entries = read_lock() if entries is None else entries
     entry = find_entry(installed, entries)
     if entry is not None:
-        return Upstream(installed, entry.era, entry)
+        return Upstream(installed, Era(entry.era), entry)
     if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
         return Upstream(installed, detect_era(), None)
     tested = ", ".join(f"{e.version} ({e.era}, torch {e.torch})" for e in entries)
@@ -78,6 +79,9 @@ def resolve_upstream(
 
 
 __all__ = [
+    "Era",
+    "era_module",
+    "parse_era",
     "ALLOW_UNTESTED_ENV",
     "InstalledUpstream",
     "LockError",

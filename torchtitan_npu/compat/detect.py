@@ -5,6 +5,8 @@ import importlib.util
 import json
 from dataclasses import dataclass
 
+from torchtitan_npu.compat.era import Era
+
 
 class UpstreamNotInstalled(ImportError):
     pass
@@ -28,12 +30,12 @@ def installed_upstream() -> InstalledUpstream:
     return InstalledUpstream(version=dist.version, commit=commit)
 
 
-def detect_era() -> str:
+def detect_era() -> Era:
     """The API era by feature detection (used for untested upstreams only)."""
     if importlib.util.find_spec("torchtitan.protocols.model_spec") is not None:
-        return "config_registry"
+        return Era.CONFIG_REGISTRY
     if importlib.util.find_spec("torchtitan.protocols.train_spec") is not None:
-        return "trainspec"
+        return Era.TRAINSPEC
     raise ValueError(
         "cannot tell the API era of the installed torchtitan: it has neither "
         "torchtitan.protocols.model_spec (0.3.x) nor train_spec (0.2.x)"

@@ -151,7 +151,7 @@ def _is_hex(text: str, length: int) -> bool:
 
 def validate(entries: list[UpstreamEntry]) -> list[str]:
     """Every problem of a list of entries (empty when the lock is sound)."""
-    from torchtitan_npu.overlay import ERAS
+    from torchtitan_npu.compat.era import Era
 
     problems = []
     defaults = [e.version for e in entries if e.default]
@@ -163,8 +163,9 @@ def validate(entries: list[UpstreamEntry]) -> list[str]:
         problems.append(f"duplicate versions {duplicated}")
     for e in entries:
         where = f"entry {e.version}"
-        if e.era not in ERAS:
-            problems.append(f"{where}: unknown era {e.era!r} (known: {list(ERAS)})")
+        if e.era not in list(Era):
+            known = [era.value for era in Era]
+            problems.append(f"{where}: unknown era {e.era!r} (known: {known})")
         if e.status not in STATUSES:
             problems.append(f"{where}: status {e.status!r} (known: {list(STATUSES)})")
         if e.commit != UNKNOWN_COMMIT and not _is_hex(e.commit, 40):

@@ -2,16 +2,77 @@
 
 Each converter runs as an upstream ``ModelConfigConverter`` on the model
 config tree of the ``Trainer.Config`` (what ``model_registry(converters=...)``
-does), swapping the config classes of the modules it replaces.
+does), swapping the config classes of the modules it replaces for configs
+that build converted subclasses.
 """
 
+import functools
 from dataclasses import dataclass
 
+from torchtitan.config import derive
 from torchtitan.protocols.model import ModelConfigConverter
 
-from torchtitan_npu.converters.registry import apply_to_config, check, get, parse_names
+from torchtitan_npu.compat.era import Era
+from torchtitan_npu.converters.registry import (
+    Converter,
+    Replacement,
+    check,
+    get,
+    parse_names,
+    report,
+    request,
+    subclass,
+)
+from torchtitan_npu.overlay.registry import resolve_target
 
-ERA = "config_registry"
+ERA = Era.CONFIG_REGISTRY
+
+
+@functools.cache
+def converted_class(
+    cls: type, replacement: Replacement, converter_name: str, device_type: str
+) -> type:
+    """``cls``'s subclass that computes with the converter's device kernel; a
+    Configurable, so its own ``Config`` builds it."""
+    name, attrs = subclass(cls, replacement, converter_name, device_type)
+    config = type("Config", (cls.Config,), {"__qualname__": f"{name}.Config"})
+    attrs["Config"] = dataclass(kw_only=True, slots=True)(config)
+    return type(name, (cls,), attrs)
+
+
+def apply_to_config(
+    model_config, converter: Converter, *, model_name: str, device_type: str
+):
+    """A converted copy of the config tree's matching nodes; returns (config, count)."""
+    count = 0
+    for replacement in converter.for_model(ERA, model_name):
+        cls = resolve_target(replacement.target).obj
+        converted = converted_class(cls, replacement, converter.name, device_type)
+        for _, node, parent, attr in list(model_config.traverse(cls.Config)):
+            if type(node) is not cls.Config:
+                continue
+            request(converter, replacement, device_type)
+            new = derive(node, converted.Config)
+            if parent is None:
+                model_config = new
+            elif isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+            count += 1
+    report(converter, model_name, count)
+    return model_config, count
+
+
+def apply_named(model_config, names: list[str], *, model_name: str, device_type: str):
+    """Apply converters by name, in order; returns (model_config, counts)."""
+    counts = []
+    for converter in check(names, era=ERA, model_name=model_name):
+        model_config, count = apply_to_config(
+            model_config, converter, model_name=model_name, device_type=device_type
+        )
+        counts.append(count)
+    return model_config, counts
 
 
 class KernelConverter(ModelConfigConverter):
@@ -31,7 +92,6 @@ class KernelConverter(ModelConfigConverter):
         model_config, _ = apply_to_config(
             model_config,
             get(cfg.name),
-            era=ERA,
             model_name=cfg.model_name,
             device_type=cfg.device_type,
         )

@@ -1,24 +1,32 @@
 """The converter registry: named kernel swaps, each with per-era replacements.
 
 A converter replaces, in a model, the module classes or functions an upstream
-era implements an op with (``Replacement``), by versions that call one of the
-device kernels in ``kernels``. Module classes are replaced by subclasses that
+era implements an op with (``Replacement``), by versions that call its device
+kernel (``kernels.Kernel``). Module classes are replaced by subclasses that
 override the computing method only, so parameters, FQNs and checkpoints are
 unchanged. Which models a converter supports is declared per era and checked.
 
-``apply_to_module`` converts a built model (TrainSpec era, on the meta device
-before parallelization); ``apply_to_config`` converts a model config tree
-(config-registry era, before the model is built).
+Every replacement is also an overlay record (``records``): its target and the
+upstream objects it relies on are fingerprinted in upstream.lock, shown by
+doctor, and a process-wide change (a replaced function) is made and reverted
+by the overlay. How a model is converted is the era's: ``converters/<era>.py``.
 """
 
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchtitan_npu.compat.era import Era
 from torchtitan_npu.config.schema import ConfigError
-from torchtitan_npu.converters.kernels import KERNELS, impl_for
+from torchtitan_npu.converters.kernels import Kernel
+from torchtitan_npu.overlay.registry import (
+    Change,
+    Patch,
+    PatchContext,
+    Target,
+    no_change,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +43,15 @@ class Replacement:
     ``build(kernel, original)`` returns, for a class, the attributes its
     subclass overrides; for a function, the replacement function, and then
     ``counted`` names the class (same module) whose instances call it, to
-    count what was converted.
+    count what was converted. ``depends`` names other upstream objects the
+    replacement relies on (fingerprinted, never changed).
     """
 
     target: str
     models: tuple[str, ...]
     build: Callable[..., Any]
     counted: str | None = None
+    depends: tuple[str, ...] = ()
 
     @property
     def is_function(self) -> bool:
@@ -52,23 +62,23 @@ class Replacement:
 class Converter:
     name: str
     description: str
-    kernel: str  # key of kernels.KERNELS
+    kernel: Kernel
     npu_ops: tuple[str, ...]
     native: str  # what the cuda/cpu implementation is
-    replacements: dict[str, tuple[Replacement, ...]]  # era -> replacements
+    replacements: dict[Era, tuple[Replacement, ...]]
     context_parallel: bool = True  # False: refuses context-parallel layouts
     notes: tuple[str, ...] = field(default=())
 
-    def models(self, era: str) -> tuple[str, ...]:
+    def models(self, era: Era) -> tuple[str, ...]:
         return tuple(
             sorted({m for r in self.replacements.get(era, ()) for m in r.models})
         )
 
-    def for_model(self, era: str, model_name: str) -> list[Replacement]:
+    def for_model(self, era: Era, model_name: str) -> list[Replacement]:
         return [r for r in self.replacements.get(era, ()) if model_name in r.models]
 
     def implementation(self, device_type: str) -> Any:
-        return KERNELS[self.kernel][impl_for(device_type)]
+        return self.kernel.for_device(device_type)
 
 
 CONVERTERS: dict[str, Converter] = {}
@@ -90,15 +100,8 @@ def parse_names(value: str | list[str] | None) -> list[str]:
     return list(value)
 
 
-def all_converters() -> dict[str, Converter]:
-    """Every registered converter, the built-in ones included."""
-    from torchtitan_npu.converters import builtin  # noqa: F401  (registers)
-
-    return CONVERTERS
-
-
 def get(name: str) -> Converter:
-    if name not in all_converters():
+    if name not in CONVERTERS:
         raise ConverterError(
             f"unknown converter {name!r}; known converters: {sorted(CONVERTERS)}"
         )
@@ -106,7 +109,7 @@ def get(name: str) -> Converter:
 
 
 def check(
-    names: list[str], *, era: str, model_name: str, context_parallel: bool = False
+    names: list[str], *, era: Era, model_name: str, context_parallel: bool = False
 ) -> list[Converter]:
     """The named converters, after checking each supports this model and layout."""
     converters = [get(name) for name in names]
@@ -129,124 +132,84 @@ def check(
     return converters
 
 
-def _resolve(spec: str) -> tuple[Any, str, Any]:
-    import importlib
-
-    module_name, _, qualname = spec.partition(":")
-    owner: Any = importlib.import_module(module_name)
-    *path, attr = qualname.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    return owner, attr, getattr(owner, attr)
+# --- overlay records ---------------------------------------------------------------
 
 
-@functools.cache
-def converted_class(
-    cls: type, replacement: Replacement, converter_name: str, device_type: str, era: str
+def record_name(converter: Converter, target: str) -> str:
+    return f"{converter.name}/{target.removeprefix('torchtitan.models.')}"
+
+
+def _record_apply(converter: Converter, replacement: Replacement):
+    def apply(target: Target, ctx: PatchContext) -> list[Change]:
+        if not replacement.is_function:
+            return []  # instances or config nodes are converted one by one
+        kernel = converter.implementation(ctx.device_type)
+        replaced = replacement.build(kernel, target.obj)
+        return [Change(target.owner, target.attr, replaced)]
+
+    return apply
+
+
+_RECORD_REF = (
+    "none upstream: a kernel converter, applied when model.converters names it"
+)
+
+
+def records(era: Era) -> list[Patch]:
+    """The overlay records of every converter replacement of ``era``."""
+    out: dict[str, Patch] = {}
+    for converter in CONVERTERS.values():
+        reason = f"converter {converter.name}: {converter.description}"
+        for replacement in converter.replacements.get(era, ()):
+            name = record_name(converter, replacement.target)
+            out[name] = Patch(
+                name=name,
+                target=replacement.target,
+                kind="convert",
+                reason=reason,
+                eras=(era,),
+                upstream_ref=_RECORD_REF,
+                remove_when=f"the {converter.name} converter is retired",
+                apply=_record_apply(converter, replacement),
+                on_request=True,
+            )
+            for depend in replacement.depends:
+                name = record_name(converter, depend)
+                out[name] = Patch(
+                    name=name,
+                    target=depend,
+                    kind="depend",
+                    reason=f"{reason} (read by the replacement of "
+                    f"{replacement.target})",
+                    eras=(era,),
+                    upstream_ref=_RECORD_REF,
+                    remove_when=f"the {converter.name} converter is retired",
+                    apply=no_change,
+                )
+    return list(out.values())
+
+
+def request(converter: Converter, replacement: Replacement, device_type: str) -> None:
+    """Apply ``replacement``'s overlay record: refused unless the overlay is
+    active and the record's targets were verified."""
+    from torchtitan_npu.overlay import OVERLAY
+
+    name = record_name(converter, replacement.target)
+    OVERLAY.apply_on_request(name, device_type)
+
+
+def subclass(
+    cls: type, replacement: Replacement, converter_name: str, device_type: str
 ):
-    """``cls``'s subclass that computes with the converter's device kernel."""
+    """``cls``'s subclass name and attributes: the converter's overrides."""
     converter = CONVERTERS[converter_name]
     name = f"{cls.__name__}_{converter_name}"
     attrs = dict(replacement.build(converter.implementation(device_type), cls))
     attrs.update(__module__=__name__, __qualname__=name, converter=converter_name)
-    if era == "config_registry":  # a Configurable: its Config must build it
-        from dataclasses import dataclass as _dataclass
-
-        config = type("Config", (cls.Config,), {"__qualname__": f"{name}.Config"})
-        attrs["Config"] = _dataclass(kw_only=True, slots=True)(config)
-    return type(name, (cls,), attrs)
+    return name, attrs
 
 
-# Functions replaced process-wide (TrainSpec-era RoPE): owner, attr -> original.
-_REPLACED_FUNCTIONS: dict[tuple[Any, str], Any] = {}
-
-
-def restore_functions() -> None:
-    """Undo every function replacement (tests, A/B runs in one process)."""
-    for (owner, attr), original in _REPLACED_FUNCTIONS.items():
-        setattr(owner, attr, original)
-    _REPLACED_FUNCTIONS.clear()
-
-
-def apply_to_module(
-    model, converter: Converter, *, era: str, model_name: str, device_type: str
-) -> int:
-    """Convert a built model in place; returns how many modules now use it."""
-    count = 0
-    for replacement in converter.for_model(era, model_name):
-        owner, attr, obj = _resolve(replacement.target)
-        if replacement.is_function:
-            users = getattr(owner, replacement.counted)
-            used = sum(type(m) is users for m in model.modules())
-            if used:
-                original = _REPLACED_FUNCTIONS.get((owner, attr), obj)
-                _REPLACED_FUNCTIONS[(owner, attr)] = original
-                kernel = converter.implementation(device_type)
-                setattr(owner, attr, replacement.build(kernel, original))
-            count += used
-            continue
-        converted = converted_class(obj, replacement, converter.name, device_type, era)
-        for module in model.modules():
-            if type(module) is obj:
-                module.__class__ = converted
-                count += 1
-    _report(converter, model_name, count)
-    return count
-
-
-def apply_to_config(
-    model_config, converter: Converter, *, era: str, model_name: str, device_type: str
-):
-    """A converted copy of the config tree's matching nodes; returns (config, count)."""
-    from torchtitan.config import derive
-
-    count = 0
-    for replacement in converter.for_model(era, model_name):
-        cls = _resolve(replacement.target)[2]
-        converted = converted_class(cls, replacement, converter.name, device_type, era)
-        for _, node, parent, attr in list(model_config.traverse(cls.Config)):
-            if type(node) is not cls.Config:
-                continue
-            new = derive(node, converted.Config)
-            if parent is None:
-                model_config = new
-            elif isinstance(parent, list):
-                parent[attr] = new
-            else:
-                setattr(parent, attr, new)
-            count += 1
-    _report(converter, model_name, count)
-    return model_config, count
-
-
-def apply_named(
-    target, names: list[str], *, era: str, model_name: str, device_type: str
-):
-    """Apply converters by name, in order, the era's way: to a built model
-    (TrainSpec) or a model config (config registry). Returns (target, counts)."""
-    counts = []
-    for converter in check(names, era=era, model_name=model_name):
-        if era == "trainspec":
-            count = apply_to_module(
-                target,
-                converter,
-                era=era,
-                model_name=model_name,
-                device_type=device_type,
-            )
-        else:
-            target, count = apply_to_config(
-                target,
-                converter,
-                era=era,
-                model_name=model_name,
-                device_type=device_type,
-            )
-        counts.append(count)
-    return target, counts
-
-
-def _report(converter: Converter, model_name: str, count: int) -> None:
+def report(converter: Converter, model_name: str, count: int) -> None:
     if count:
         logger.info(
             "converter %s: %d module(s) of %s", converter.name, count, model_name

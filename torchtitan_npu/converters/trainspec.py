@@ -3,19 +3,69 @@
 Each converter becomes an upstream ``ModelConverter`` registered under its
 name (overlay patch ``converters``), so ``model.converters = ["rms_norm"]``
 in the job config applies it to the model upstream builds on the meta device,
-before parallelization.
+before parallelization: the model's module instances get converted classes,
+and a replaced function (RoPE) is swapped through its overlay record.
 """
 
+import functools
+
+from torchtitan_npu.compat.era import Era
 from torchtitan_npu.converters.registry import (
+    CONVERTERS,
     Converter,
     ConverterError,
-    all_converters,
-    apply_to_module,
+    Replacement,
     check,
     parse_names,
+    report,
+    request,
+    subclass,
 )
+from torchtitan_npu.overlay.registry import resolve_target
 
-ERA = "trainspec"
+ERA = Era.TRAINSPEC
+
+
+@functools.cache
+def converted_class(
+    cls: type, replacement: Replacement, converter_name: str, device_type: str
+) -> type:
+    """``cls``'s subclass that computes with the converter's device kernel."""
+    name, attrs = subclass(cls, replacement, converter_name, device_type)
+    return type(name, (cls,), attrs)
+
+
+def apply_to_module(model, converter: Converter, *, model_name: str, device_type: str):
+    """Convert a built model in place; returns how many modules now use it."""
+    count = 0
+    for replacement in converter.for_model(ERA, model_name):
+        target = resolve_target(replacement.target)
+        if replacement.is_function:
+            users = getattr(target.owner, replacement.counted)
+            used = sum(type(m) is users for m in model.modules())
+            if used:
+                request(converter, replacement, device_type)
+            count += used
+            continue
+        converted = converted_class(
+            target.obj, replacement, converter.name, device_type
+        )
+        for module in model.modules():
+            if type(module) is target.obj:
+                module.__class__ = converted
+                request(converter, replacement, device_type)
+                count += 1
+    report(converter, model_name, count)
+    return count
+
+
+def apply_named(model, names: list[str], *, model_name: str, device_type: str):
+    """Apply converters by name, in order; returns (model, counts)."""
+    counts = [
+        apply_to_module(model, c, model_name=model_name, device_type=device_type)
+        for c in check(names, era=ERA, model_name=model_name)
+    ]
+    return model, counts
 
 
 def model_converter_class(converter: Converter, device_type: str) -> type:
@@ -33,11 +83,7 @@ def model_converter_class(converter: Converter, device_type: str) -> type:
 
         def convert(self, model) -> None:
             apply_to_module(
-                model,
-                converter,
-                era=ERA,
-                model_name=self.model_name,
-                device_type=device_type,
+                model, converter, model_name=self.model_name, device_type=device_type
             )
 
         def post_optimizer_hook(self, model) -> None:
@@ -50,7 +96,7 @@ def model_converter_class(converter: Converter, device_type: str) -> type:
 def model_converter_classes(device_type: str) -> dict[str, type]:
     return {
         name: model_converter_class(converter, device_type)
-        for name, converter in all_converters().items()
+        for name, converter in CONVERTERS.items()
     }
 
 
@@ -63,11 +109,11 @@ def checked_names(value, *, model_name: str, context_parallel: bool) -> list[str
     from torchtitan.protocols import model_converter
 
     names = parse_names(value)
-    ours = [n for n in names if n in all_converters()]
+    ours = [n for n in names if n in CONVERTERS]
     upstream = set(model_converter._registry_model_converter_cls) - set(ours)
     unknown = [n for n in names if n not in ours and n not in upstream]
     if unknown:
-        known = sorted(set(all_converters()) | upstream)
+        known = sorted(set(CONVERTERS) | upstream)
         raise ConverterError(
             f"unknown converter {unknown[0]!r}; known converters: {known}"
         )

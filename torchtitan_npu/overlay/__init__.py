@@ -1,6 +1,7 @@
-"""The overlay: patch sets per era, and the process-wide overlay instance."""
+"""The overlay: the records of every change titan-npu makes to upstream, per
+era, and the process-wide overlay instance."""
 
-from torchtitan_npu.overlay import common, config_registry, trainspec
+from torchtitan_npu.compat.era import Era, era_module
 from torchtitan_npu.overlay.registry import (
     Overlay,
     Patch,
@@ -10,27 +11,21 @@ from torchtitan_npu.overlay.registry import (
     check,
 )
 
-ERAS = ("trainspec", "config_registry")
-
-_ERA_PATCHES = {
-    "trainspec": trainspec.PATCHES,
-    "config_registry": config_registry.PATCHES,
-}
-
 OVERLAY = Overlay()
 
 
-def patches_for(era: str) -> list[Patch]:
-    """common + the era's own patches, in application order."""
-    if era not in _ERA_PATCHES:
-        raise ValueError(f"unknown upstream API era {era!r}; known: {ERAS}")
-    patches = common.PATCHES + _ERA_PATCHES[era]
+def patches_for(era: Era) -> list[Patch]:
+    """Every record of ``era`` in application order: ``common``, the era's own
+    patches (``overlay/<era>.py``), then the kernel converters' records."""
+    from torchtitan_npu.converters import records
+    from torchtitan_npu.overlay import common
+
+    patches = common.PATCHES + era_module(__name__, era).PATCHES + records(era)
     assert all(era in p.eras for p in patches)
     return patches
 
 
 __all__ = [
-    "ERAS",
     "OVERLAY",
     "Overlay",
     "Patch",

@@ -1,8 +1,9 @@
 """Patches every era needs: device choice, SUM-only reductions, NPU wiring."""
 
+from torchtitan_npu.compat.era import Era
 from torchtitan_npu.overlay.registry import Change, Patch, PatchContext, Target
 
-ALL_ERAS = ("trainspec", "config_registry")
+ALL_ERAS = tuple(Era)
 
 
 def _device_module(device_type: str):

@@ -1,5 +1,6 @@
 """Patches of the config-registry era (torchtitan 0.3.x)."""
 
+from torchtitan_npu.compat.era import Era
 from torchtitan_npu.overlay.common import eager_flex_attention, skip_unless_cpu
 from torchtitan_npu.overlay.registry import Change, Patch, PatchContext, Target
 
@@ -42,7 +43,7 @@ EAGER_FLEX_ATTENTION = Patch(
         "does not support backward on CPU'); 0.3.x rejects sdpa for LMs, so every "
         "CPU run needs the eager path."
     ),
-    eras=("config_registry",),
+    eras=(Era.CONFIG_REGISTRY,),
     upstream_ref=(
         "pytorch/pytorch#139434 (compiled FlexAttention: no CPU backward); 0.3.x "
         "rejects sdpa for language models"
@@ -81,7 +82,7 @@ def _hf_adapter(model: str) -> Patch:
             "checkpoint.initial_load_in_hf / last_save_in_hf use titan-npu's "
             "declarative, coverage-checked HF mapping (state_dict_adapters)."
         ),
-        eras=("config_registry",),
+        eras=(Era.CONFIG_REGISTRY,),
         upstream_ref=(
             "none upstream: titan-npu's own HF mapping (state_dict_adapters) replaces "
             "the model's adapter; upstream's works but is not coverage-checked"

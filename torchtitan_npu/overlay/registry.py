@@ -5,9 +5,17 @@ every target of the active patch set is resolved and its source fingerprint is
 compared with the one upstream.lock recorded for the installed upstream: a
 missing target or a changed fingerprint is a ``PatchTargetError`` naming the
 patch, the target and the upstream version — never a silent skip.
+
+Kinds: ``wrap``/``replace``/``polyfill``/``inject`` change upstream at
+activation; ``convert`` records (one per kernel-converter replacement) are
+verified at activation and applied only when a model asks for the converter
+(``Overlay.apply_on_request``); ``depend`` records change nothing and pin an
+upstream object titan-npu relies on (a function reading a registry it writes,
+a class whose attributes a replacement reads).
 """
 
 import contextlib
+import dataclasses
 import importlib
 import sys
 import warnings
@@ -15,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-PatchKind = Literal["wrap", "replace", "polyfill", "inject"]
+PatchKind = Literal["wrap", "replace", "polyfill", "inject", "convert", "depend"]
 
 # By-value copies (``from torchtitan.tools.utils import device_type``) are
 # rebound only in modules under these prefixes.
@@ -40,12 +48,16 @@ class PatchContext:
 
 @dataclass(frozen=True)
 class Change:
-    """Set ``owner.attr = value``; with ``rebind``, also in by-value importers."""
+    """Set ``owner.attr = value``; with ``rebind``, also in by-value importers.
+
+    The attribute must exist on ``owner`` unless ``new`` says it is added.
+    """
 
     owner: Any
     attr: str
     value: Any
     rebind: bool = False
+    new: bool = False
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,12 @@ class Patch:
     remove_when: str
     apply: Callable[[Target, PatchContext], list[Change]]
     skip: Callable[[PatchContext], str | None] = field(default=lambda ctx: None)
+    on_request: bool = False  # applied by apply_on_request, not at activation
+
+
+def no_change(target: Target, ctx: PatchContext) -> list[Change]:
+    """The ``apply`` of a ``depend`` record."""
+    return []
 
 
 def resolve_target(spec: str) -> Target:
@@ -113,7 +131,15 @@ class PatchStatus:
 
     patch: Patch
     state: Literal[
-        "applied", "not needed", "disabled", "drifted", "missing", "failed", "pending"
+        "applied",
+        "not needed",
+        "disabled",
+        "drifted",
+        "missing",
+        "failed",
+        "pending",
+        "on request",
+        "checked",
     ]
     detail: str = ""
     found: str | None = None  # fingerprint found in the installed upstream
@@ -140,6 +166,10 @@ def check(
             rows.append(PatchStatus(patch, "drifted", "source changed", found, want))
         elif patch.name in ctx.disabled:
             rows.append(PatchStatus(patch, "disabled", "by request", found, want))
+        elif patch.kind == "depend":
+            rows.append(PatchStatus(patch, "checked", "", found, want))
+        elif patch.on_request:
+            rows.append(PatchStatus(patch, "on request", "", found, want))
         else:
             skip = patch.skip(ctx)
             state = "not needed" if skip else "pending"
@@ -158,11 +188,12 @@ class Overlay:
 
     def __init__(self) -> None:
         self._applied: list[_Applied] = []
+        self._ctx: PatchContext | None = None
         self.status: list[PatchStatus] = []
 
     @property
     def active(self) -> bool:
-        return bool(self._applied)
+        return self._ctx is not None
 
     def apply(
         self, patches: list[Patch], ctx: PatchContext, expected: dict[str, str]
@@ -170,7 +201,7 @@ class Overlay:
         """Verify every target, then apply the needed patches: all or nothing
         (idempotent). Under the untested-upstream opt-in a missing, drifted or
         failing patch is skipped with one warning instead."""
-        if self._applied:
+        if self.active:
             return self.status
         names = [p.name for p in patches]
         duplicates = {n for n in names if names.count(n) > 1}
@@ -219,15 +250,44 @@ class Overlay:
             for applied in reversed(done):
                 _undo(applied.undo)
             raise
-        self._applied = done
-        self.status = rows
+        self._applied, self._ctx, self.status = done, ctx, rows
         return rows
+
+    def apply_on_request(self, name: str, device_type: str | None = None) -> None:
+        """Apply an on-request record of the active set (idempotent); for
+        ``device_type`` when given (a converter built for another device)."""
+        row = next((r for r in self.status if r.patch.name == name), None)
+        if self._ctx is None or row is None:
+            raise PatchTargetError(
+                f"overlay record {name!r} is not in the active overlay; "
+                "activate the overlay (import torchtitan_npu) before converting"
+            )
+        if row.state == "applied":
+            return
+        if row.state != "on request":
+            raise PatchTargetError(
+                f"overlay record {name!r} cannot be applied: it is {row.state}"
+            )
+        ctx = self._ctx
+        if device_type is not None:
+            ctx = dataclasses.replace(ctx, device_type=device_type)
+        self._applied.append(_apply_one(row.patch, ctx))
+        row.state = "applied"
+
+    def revert_on_request(self) -> None:
+        """Undo the on-request records only (tests, A/B runs in one process)."""
+        for applied in [a for a in self._applied if a.patch.on_request]:
+            _undo(applied.undo)
+            self._applied.remove(applied)
+        for row in self.status:
+            if row.patch.on_request and row.state == "applied":
+                row.state = "on request"
 
     def revert(self) -> None:
         """Undo every change, newest first."""
         while self._applied:
             _undo(self._applied.pop().undo)
-        self.status = []
+        self._ctx, self.status = None, []
 
     @contextlib.contextmanager
     def applied(
@@ -266,6 +326,9 @@ def _set(change: Change) -> list[tuple[Any, str, Any, bool]]:
     """Make one change; return how to undo it (including rebinding)."""
     owner, attr = change.owner, change.attr
     had = attr in vars(owner)
+    if not had and not change.new:
+        name = getattr(owner, "__name__", repr(owner))
+        raise AttributeError(f"{name} has no attribute {attr!r} to change")
     old = vars(owner).get(attr)
     undo = [(owner, attr, old, had)]
     setattr(owner, attr, change.value)

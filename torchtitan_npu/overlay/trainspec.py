@@ -1,7 +1,14 @@
 """Patches of the TrainSpec era (torchtitan 0.2.x)."""
 
+from torchtitan_npu.compat.era import Era
 from torchtitan_npu.overlay.common import eager_flex_attention, skip_unless_cpu
-from torchtitan_npu.overlay.registry import Change, Patch, PatchContext, Target
+from torchtitan_npu.overlay.registry import (
+    Change,
+    Patch,
+    PatchContext,
+    Target,
+    no_change,
+)
 
 
 def _apply_eager_flex(target: Target, ctx: PatchContext) -> list[Change]:
@@ -41,7 +48,7 @@ EAGER_FLEX_ATTENTION = Patch(
         "the compiled FlexAttention kernel has no backward on CPU; flex flavours "
         "and context parallelism need the eager path there."
     ),
-    eras=("trainspec",),
+    eras=(Era.TRAINSPEC,),
     upstream_ref="pytorch/pytorch#139434 (compiled FlexAttention: no CPU backward)",
     remove_when="0.2.x era dropped, or torch's compiled FlexAttention trains on CPU",
     apply=_apply_eager_flex,
@@ -70,7 +77,7 @@ FLEX_MASK_DEVICE = Patch(
         "create_block_mask defaults to 'cuda': flex flavours (and so CP) fail "
         "with a cuda/cpu device mismatch elsewhere. Passes the training device."
     ),
-    eras=("trainspec",),
+    eras=(Era.TRAINSPEC,),
     upstream_ref="pytorch/pytorch#169224 (create_block_mask defaults to device='cuda')",
     remove_when=(
         "0.2.x era dropped (0.3.x passes the device), or torch's create_block_mask "
@@ -107,7 +114,7 @@ HF_ADAPTERS = Patch(
         "checkpoint.initial_load_in_hf / last_save_in_hf use titan-npu's "
         "declarative, coverage-checked HF mappings (state_dict_adapters)."
     ),
-    eras=("trainspec",),
+    eras=(Era.TRAINSPEC,),
     upstream_ref=(
         "none upstream: titan-npu's own HF mapping (state_dict_adapters) replaces the "
         "model's adapter; upstream's works but is not coverage-checked"
@@ -137,7 +144,7 @@ QWEN2_MODEL = Patch(
         "registers titan-npu's Qwen2 model (torchtitan_npu.models.qwen2) as "
         "train spec 'qwen2'."
     ),
-    eras=("trainspec",),
+    eras=(Era.TRAINSPEC,),
     upstream_ref=(
         "none upstream: model injection (Qwen2 is not an upstream model); "
         "register_train_spec is the documented extension point"
@@ -169,7 +176,7 @@ CONVERTERS = Patch(
         "registers titan-npu's kernel converters (torchtitan_npu.converters) "
         "as model converters, applied by name from model.converters."
     ),
-    eras=("trainspec",),
+    eras=(Era.TRAINSPEC,),
     upstream_ref=(
         "none upstream: converter injection; register_model_converter is the "
         "documented extension point"
@@ -178,10 +185,28 @@ CONVERTERS = Patch(
     apply=_apply_converters,
 )
 
+
+# What reads the registry the converters patch writes: pinned, never changed.
+# (get_train_spec, the reader of qwen2_model's registry, is hf_adapters' target.)
+CONVERTER_LOOKUP = Patch(
+    name="converter_lookup",
+    target="torchtitan.protocols.model_converter:ModelConvertersContainer",
+    kind="depend",
+    reason=(
+        "reads _registry_model_converter_cls, where the converters patch registers "
+        "titan-npu's converters"
+    ),
+    eras=(Era.TRAINSPEC,),
+    upstream_ref="none upstream: the reader of the registry converters writes",
+    remove_when="0.2.x era dropped",
+    apply=no_change,
+)
+
 PATCHES = [
     EAGER_FLEX_ATTENTION,
     FLEX_MASK_DEVICE,
     HF_ADAPTERS,
     QWEN2_MODEL,
     CONVERTERS,
+    CONVERTER_LOOKUP,
 ]

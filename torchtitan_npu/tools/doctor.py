@@ -138,12 +138,12 @@ def manifest_table(rows) -> str:
 
 
 def converter_table(era: str, device_type: str) -> str:
-    from torchtitan_npu.converters import all_converters
+    from torchtitan_npu.converters import CONVERTERS
     from torchtitan_npu.converters.kernels import impl_for
     from torchtitan_npu.tools.table import format_table
 
     rows = []
-    for name, converter in sorted(all_converters().items()):
+    for name, converter in sorted(CONVERTERS.items()):
         kernel = (
             ", ".join(f"torch_npu.{op}" for op in converter.npu_ops)
             if impl_for(device_type) == "npu"

@@ -8,14 +8,15 @@ test regenerates it.
 import re
 from pathlib import Path
 
-from torchtitan_npu.overlay import ERAS, Patch, patches_for
+from torchtitan_npu.compat.era import Era
+from torchtitan_npu.overlay import Patch, patches_for
 from torchtitan_npu.tools.table import format_markdown_table
 
 
 def all_patches() -> list[Patch]:
     """Every patch record of every era, each once, in application order."""
     seen: dict[tuple[str, str], Patch] = {}
-    for era in ERAS:
+    for era in Era:
         for patch in patches_for(era):
             seen.setdefault((patch.name, patch.target), patch)
     return list(seen.values())

@@ -2,13 +2,8 @@
 
 from pathlib import Path
 
-from torchtitan_npu.compat import UpstreamEntry, read_lock
+from torchtitan_npu.compat import Era, UpstreamEntry, read_lock
 from torchtitan_npu.tools.table import format_markdown_table
-
-ERA_DESCRIPTIONS = {
-    "trainspec": "TOML JobConfig + TrainSpec + ModelConverter registry",
-    "config_registry": "Python config registry + ModelSpec + config overrides",
-}
 
 
 def render(entries: list[UpstreamEntry]) -> str:
@@ -28,7 +23,7 @@ def render(entries: list[UpstreamEntry]) -> str:
         ["torchtitan", "era", "torch", "status", "commit", "wheel sha256", "patches"],
         rows,
     )
-    eras = "\n".join(f"- `{era}`: {text}" for era, text in ERA_DESCRIPTIONS.items())
+    eras = "\n".join(f"- `{era}`: {era.description}" for era in Era)
     notes = "\n".join(f"- {e.version}: {e.notes}" for e in entries if e.notes)
     return f"""# Versioning policy and upstream sync table
 
