@@ -52,7 +52,7 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
 def test_config_registry_translation(upstream):
     from torchtitan.distributed.activation_checkpoint import FullAC
 
-    from torchtitan_npu.config.config_registry import to_trainer_config
+    from torchtitan_npu.config.config_registry import translate as to_trainer_config
 
     config = load_toml(DEFAULT_CONFIG)
     config["training"]["dataset_path"] = "/data/corpus"
@@ -82,7 +82,7 @@ def test_config_registry_translation(upstream):
     ],
 )
 def test_config_registry_rejects_what_it_cannot_honour(upstream, key, value, match):
-    from torchtitan_npu.config.config_registry import to_trainer_config
+    from torchtitan_npu.config.config_registry import translate as to_trainer_config
     from torchtitan_npu.config.schema import apply_overrides
 
     config = load_toml(DEFAULT_CONFIG)
@@ -97,7 +97,7 @@ def test_trainspec_translation(upstream):
     from torchtitan.config import JobConfig
 
     from torchtitan_npu.config.fields import has_path
-    from torchtitan_npu.config.trainspec import to_job_config
+    from torchtitan_npu.config.trainspec import translate as to_job_config
 
     job = to_job_config(load_toml(DEFAULT_CONFIG), version=upstream.installed.version)
     assert job["training"]["steps"] == load_toml(DEFAULT_CONFIG)["training"]["steps"]
@@ -109,7 +109,7 @@ def test_trainspec_translation(upstream):
 
 @requires_era("trainspec")
 def test_trainspec_rejects_unknown_keys(upstream):
-    from torchtitan_npu.config.trainspec import to_job_config
+    from torchtitan_npu.config.trainspec import translate as to_job_config
 
     config = load_toml(DEFAULT_CONFIG)
     config["parallelism"]["bogus_degree"] = 2

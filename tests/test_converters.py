@@ -462,7 +462,7 @@ def test_train_config_translation(era, upstream):
     }
     version = upstream.installed.version
     if era == "trainspec":
-        from torchtitan_npu.config.trainspec import to_job_config
+        from torchtitan_npu.config.trainspec import translate as to_job_config
 
         job = to_job_config(config, version=version)
         assert job["model"]["converters"] == ["rms_norm", "rope"]
@@ -472,7 +472,7 @@ def test_train_config_translation(era, upstream):
         return
     from torchtitan.models.common.nn_modules import RMSNorm
 
-    from torchtitan_npu.config.config_registry import to_trainer_config
+    from torchtitan_npu.config.config_registry import translate as to_trainer_config
 
     trainer = to_trainer_config(config, version=version, device_type="cpu")
     norms = list(trainer.model_spec.model.traverse(RMSNorm.Config))

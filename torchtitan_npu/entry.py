@@ -2,8 +2,8 @@
 
 torchrun starts one of these per rank. It activates the overlay (so drift or
 an untested upstream stops the run before training starts), translates the
-resolved config for the running era and runs upstream's own ``torchtitan.train``
-as ``__main__``.
+resolved config once for the running era, hands it to upstream and runs
+upstream's own ``torchtitan.train`` as ``__main__``.
 """
 
 import json
@@ -11,24 +11,40 @@ import os
 import runpy
 import sys
 import tempfile
-from types import ModuleType
 
 
-def prepare_upstream(job_file: str) -> ModuleType:
+def prepare_upstream(job_file: str) -> None:
     """Set upstream's command line, then activate the overlay.
 
     Must run before torchtitan is imported: 0.2.x binds ``sys.argv`` as a
-    default argument when its config manager is imported. Returns the era's
-    config translator; write the job file with it before running upstream.
+    default argument when its config manager is imported. ``job_file`` is where
+    ``hand_over`` puts upstream's input, if the era reads one.
     """
     from torchtitan_npu.bootstrap import activate
     from torchtitan_npu.compat import resolve_upstream
-    from torchtitan_npu.config import era_translator
+    from torchtitan_npu.config import era_config
 
-    translator = era_translator(resolve_upstream().era)
-    sys.argv = ["torchtitan.train", *translator.upstream_argv(job_file)]
+    era = resolve_upstream().era
+    sys.argv = ["torchtitan.train", *era_config(era).upstream_argv(job_file)]
     activate()  # imports torchtitan
-    return translator
+
+
+def hand_over(config: dict, job_file: str) -> None:
+    """Translate the resolved project config (once) and give it to upstream."""
+    from torchtitan_npu.bootstrap import activate
+    from torchtitan_npu.config import era_config
+
+    activation = activate()
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()  # upstream's log format, for what translation reports
+    translator = era_config(activation.context.era)
+    upstream_config = translator.translate(
+        config,
+        version=activation.upstream.installed.version,
+        device_type=activation.context.device_type,
+    )
+    translator.hand_over(upstream_config, job_file)
 
 
 def run_upstream() -> None:
@@ -65,16 +81,13 @@ def _main(argv: list[str] | None) -> None:
     with open(argv[0]) as f:
         config = json.load(f)
 
-    from torchtitan_npu.bootstrap import activate
-
     user_errors = _user_errors()
     fd, job_file = tempfile.mkstemp(prefix="titan-npu-job-")
     os.close(fd)
     try:
         try:
-            translator = prepare_upstream(job_file)
-            version = activate().upstream.installed.version
-            translator.write_upstream_config(config, version=version, path=job_file)
+            prepare_upstream(job_file)
+            hand_over(config, job_file)
         except user_errors as e:  # a clear message, not a traceback per rank
             print(f"titan-npu: error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None

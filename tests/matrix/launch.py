@@ -12,6 +12,7 @@ translation and overlay code as `titan-npu train` runs in the ranks; fresh
 `titan-npu train` launches are covered by tests/test_train_e2e.py.
 """
 
+import json
 import multiprocessing
 import os
 import sys
@@ -23,22 +24,23 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from torchtitan_npu.bootstrap import activate
-from torchtitan_npu.compat import resolve_upstream
-from torchtitan_npu.config import era_translator, resolve
+from torchtitan_npu.config import resolve
 from torchtitan_npu.distributed import DEVICE_ENV
-from torchtitan_npu.entry import run_upstream
+from torchtitan_npu.entry import hand_over, run_upstream
 from torchtitan_npu.tools.scalars import read_scalars
 
 JOB_FILE_ENV = "TITAN_NPU_MATRIX_JOB_FILE"  # read by warm_upstream
 
 
-def _rank_main(num_threads: int | None) -> None:
+def _rank_main(config_file: str, num_threads: int | None) -> None:
     # multiprocessing ignores a preload module that fails to import.
     assert "warm_upstream" in sys.modules, "the fork server did not preload upstream"
     sys.argv = list(sys.modules["warm_upstream"].UPSTREAM_ARGV)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    with open(config_file) as f:
+        config = json.load(f)
+    hand_over(config, os.environ[JOB_FILE_ENV])  # what titan-npu's entry does
     run_upstream()
 
 
@@ -57,17 +59,15 @@ class WarmLauncher:
         paths = [str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         multiprocessing.set_forkserver_preload(["warm_upstream"])
-        self.translator = era_translator(resolve_upstream().era)
-        self.version = activate().upstream.installed.version
 
     def train(
         self, dump_folder: Path, args: list[str], *, nproc: int, scalars: bool = True
     ) -> dict | None:
         """Train with `titan-npu train` overrides; return TensorBoard scalars."""
         config = resolve(None, [*args, "--job.dump_folder", str(dump_folder)])
-        self.translator.write_upstream_config(
-            config, version=self.version, path=str(self.job_file)
-        )
+        dump_folder.mkdir(parents=True, exist_ok=True)
+        config_file = dump_folder / "titan_npu_config.json"
+        config_file.write_text(json.dumps(config))
         logs = dump_folder / "rank-logs"
         launch = LaunchConfig(
             min_nodes=1,
@@ -83,7 +83,7 @@ class WarmLauncher:
         # As torchrun: one thread per rank when several share the machine.
         threads = 1 if nproc > 1 else None
         try:
-            elastic_launch(launch, _rank_main)(threads)
+            elastic_launch(launch, _rank_main)(str(config_file), threads)
         except ChildFailedError as e:
             raise AssertionError(f"training failed; rank logs under {logs}\n{e}") from e
         return read_scalars(dump_folder) if scalars else None

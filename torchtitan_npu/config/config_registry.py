@@ -9,11 +9,10 @@ TOML on it, renamed where 0.3.x moved it. A key with no 0.3.x counterpart is a
 """
 
 import importlib
-import json
-import os
 from pathlib import Path
 from typing import Any
 
+from torchtitan_npu.compat.era import Era
 from torchtitan_npu.config.fields import (
     MISSING,
     expected,
@@ -23,9 +22,9 @@ from torchtitan_npu.config.fields import (
     set_path,
 )
 from torchtitan_npu.config.schema import ConfigError, flatten, wrong_type
+from torchtitan_npu.models import MODEL_PACKAGES, find_model_module
 
-ERA = "config_registry"
-RESOLVED_CONFIG_ENV = "TITAN_NPU_RESOLVED_CONFIG"
+ERA = Era.CONFIG_REGISTRY
 
 # project key -> Trainer.Config path
 _RENAMES = {
@@ -43,32 +42,26 @@ _OPTIMIZER_KWARGS = {"lr", "eps", "weight_decay"}
 
 def base_config(name: str, flavor: str):
     """Upstream's (or an injected model's) config function for name + flavor."""
-    for package in ("torchtitan.models", "torchtitan_npu.models"):
-        module = f"{package}.{name}.config_registry"
-        try:
-            registry = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if not module.startswith(f"{e.name}."):  # a real import bug
-                raise
-            continue
-        # upstream spells flavor "0.6B" as function qwen3_0_6b
-        function = getattr(registry, f"{name}_{flavor}", None) or getattr(
-            registry, f"{name}_{flavor}".replace(".", "_").lower(), None
+    registry = find_model_module(name, ERA.value)  # the era is named after it
+    if registry is None:
+        raise ConfigError(
+            f"unknown model {name!r} in era {ERA}; known models: {known_models()}"
         )
-        if function is None:
-            available = sorted(
-                n.removeprefix(f"{name}_")
-                for n in dir(registry)
-                if n.startswith(f"{name}_") and callable(getattr(registry, n))
-            )
-            raise ConfigError(
-                f"model {name!r} has no flavor {flavor!r} in era {ERA}; "
-                f"known flavors: {available}"
-            )
-        return function()
-    raise ConfigError(
-        f"unknown model {name!r} in era {ERA}; known models: {known_models()}"
+    # upstream spells flavor "0.6B" as function qwen3_0_6b
+    function = getattr(registry, f"{name}_{flavor}", None) or getattr(
+        registry, f"{name}_{flavor}".replace(".", "_").lower(), None
     )
+    if function is None:
+        available = sorted(
+            n.removeprefix(f"{name}_")
+            for n in dir(registry)
+            if n.startswith(f"{name}_") and callable(getattr(registry, n))
+        )
+        raise ConfigError(
+            f"model {name!r} has no flavor {flavor!r} in era {ERA}; "
+            f"known flavors: {available}"
+        )
+    return function()
 
 
 def known_models() -> list[str]:
@@ -76,7 +69,7 @@ def known_models() -> list[str]:
     import pkgutil
 
     names = set()
-    for package in ("torchtitan.models", "torchtitan_npu.models"):
+    for package in MODEL_PACKAGES:
         for folder in importlib.import_module(package).__path__:
             for module in pkgutil.iter_modules([folder]):
                 if (Path(folder) / module.name / "config_registry.py").is_file():
@@ -102,7 +95,10 @@ def _activation_checkpoint(mode: str):
     return modes[mode] and modes[mode]()
 
 
-def to_trainer_config(config: dict[str, Any], *, version: str, device_type: str):
+def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
+    """The ``Trainer.Config`` of a project config: upstream's config function
+    for the model and flavor, every key set on it (renamed, type-checked),
+    then the converters. Raises ConfigError naming the key."""
     model = config.get("model", {})
     trainer_config = base_config(model["name"], model["flavor"])
     if device_type != "cuda" and has_path(
@@ -153,40 +149,30 @@ def to_trainer_config(config: dict[str, Any], *, version: str, device_type: str)
             flat["model.converters"],
             model_name=model["name"],
             device_type=device_type,
+            version=version,
         )
     return trainer_config
 
 
-def translate(config: dict[str, Any], *, version: str, device_type: str) -> None:
-    """Translate only to check (the launcher's preflight); raises ConfigError."""
-    to_trainer_config(config, version=version, device_type=device_type)
+# The Trainer.Config handed over to upstream's ConfigManager in this process.
+_handed_over: list[Any] = []
+
+
+def hand_over(trainer_config: Any, job_file: str) -> None:
+    """Give the translated config to ``titan_npu``, which upstream calls next."""
+    _handed_over[:] = [trainer_config]
 
 
 def titan_npu():
     """Config function upstream's ConfigManager calls (``--config titan_npu``)."""
-    from torchtitan_npu.bootstrap import activate
-
-    activation = activate()
-    with open(os.environ[RESOLVED_CONFIG_ENV]) as f:
-        config = json.load(f)
-    return to_trainer_config(
-        config,
-        version=activation.upstream.installed.version,
-        device_type=activation.context.device_type,
-    )
+    if not _handed_over:
+        raise ConfigError(
+            "titan_npu is titan-npu's config function for upstream's trainer; "
+            "train with `titan-npu train` (it translates the config first)"
+        )
+    return _handed_over.pop()
 
 
 def upstream_argv(job_file: str) -> list[str]:
     """Upstream's command line: this module's ``titan_npu`` config function."""
-    os.environ[RESOLVED_CONFIG_ENV] = job_file
     return ["--module", __name__, "--config", "titan_npu"]
-
-
-def write_upstream_config(config: dict[str, Any], *, version: str, path: str) -> None:
-    from torchtitan_npu.bootstrap import activate
-
-    # Translate once here so errors surface before upstream starts.
-    device_type = activate().context.device_type
-    to_trainer_config(config, version=version, device_type=device_type)
-    with open(path, "w") as f:
-        json.dump(config, f)

@@ -77,14 +77,14 @@ def check(config: dict[str, Any], *, world_size: int | None, launch: str) -> Non
     check_layout(config, world_size, launch)
     absolute_paths(config)
     from torchtitan_npu.bootstrap import activate
-    from torchtitan_npu.config import era_translator
+    from torchtitan_npu.config import era_config
     from torchtitan_npu.tools.log_noise import quiet_upstream_noise
 
     quiet_upstream_noise()
     activation = activate()
     version = activation.upstream.installed.version
     try:
-        era_translator(activation.context.era).translate(
+        era_config(activation.context.era).translate(
             config, version=version, device_type=activation.context.device_type
         )
     except ConfigError:

@@ -4,12 +4,15 @@ The project's format is 0.2.x's own TOML layout, so translation is a check of
 every key against upstream ``JobConfig`` plus the renames older releases need.
 """
 
+import os
+import tempfile
 from typing import Any
 
+from torchtitan_npu.compat.era import Era
 from torchtitan_npu.config.fields import expected, field_type, has_path
 from torchtitan_npu.config.schema import ConfigError, flatten, wrong_type
 
-ERA = "trainspec"
+ERA = Era.TRAINSPEC
 
 # Before 0.2.2 the seed and determinism switches lived under [training].
 _LEGACY_DEBUG_KEYS = {
@@ -35,8 +38,12 @@ def check_model(name: str, flavor: str, *, version: str) -> None:
         )
 
 
-def to_job_config(config: dict[str, Any], *, version: str) -> dict[str, Any]:
-    """The nested dict upstream's ``--job.config_file`` TOML should contain."""
+def translate(
+    config: dict[str, Any], *, version: str, device_type: str | None = None
+) -> dict[str, Any]:
+    """The nested dict upstream's ``--job.config_file`` TOML should contain:
+    every key checked against ``JobConfig`` (renamed, type-checked), the model,
+    flavor and converters. Raises ConfigError naming the key."""
     from torchtitan.config import JobConfig
 
     defaults = JobConfig()
@@ -54,6 +61,7 @@ def to_job_config(config: dict[str, Any], *, version: str) -> dict[str, Any]:
             flat["model.converters"],
             model_name=flat.get("model.name", defaults.model.name),
             context_parallel=flat.get("parallelism.context_parallel_degree", 1) > 1,
+            version=version,
         )
     for key, value in flat.items():
         target = key
@@ -74,19 +82,18 @@ def to_job_config(config: dict[str, Any], *, version: str) -> dict[str, Any]:
     return out
 
 
-def translate(config: dict[str, Any], *, version: str, device_type: str) -> None:
-    """Translate only to check (the launcher's preflight); raises ConfigError."""
-    to_job_config(config, version=version)
-
-
 def upstream_argv(job_file: str) -> list[str]:
     """Upstream's command line: its TOML JobConfig loader reads ``job_file``."""
     return ["--job.config_file", job_file]
 
 
-def write_upstream_config(config: dict[str, Any], *, version: str, path: str) -> None:
+def hand_over(job: dict[str, Any], job_file: str) -> None:
+    """Write the job TOML upstream will read; atomically, as every rank of a
+    run writes the same file (the matrix's warm launcher)."""
     import tomli_w
 
-    job = to_job_config(config, version=version)
-    with open(path, "w") as f:
+    directory, name = os.path.split(job_file)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory or ".")
+    with os.fdopen(fd, "w") as f:
         f.write(tomli_w.dumps(job))
+    os.replace(tmp, job_file)

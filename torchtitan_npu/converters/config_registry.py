@@ -21,6 +21,7 @@ from torchtitan_npu.converters.registry import (
     parse_names,
     report,
     request,
+    running_version,
     subclass,
 )
 from torchtitan_npu.overlay.registry import resolve_target
@@ -45,7 +46,7 @@ def apply_to_config(
 ):
     """A converted copy of the config tree's matching nodes; returns (config, count)."""
     count = 0
-    for replacement in converter.for_model(ERA, model_name):
+    for replacement in converter.for_model(ERA, model_name, running_version()):
         cls = resolve_target(replacement.target).obj
         converted = converted_class(cls, replacement, converter.name, device_type)
         for _, node, parent, attr in list(model_config.traverse(cls.Config)):
@@ -67,7 +68,8 @@ def apply_to_config(
 def apply_named(model_config, names: list[str], *, model_name: str, device_type: str):
     """Apply converters by name, in order; returns (model_config, counts)."""
     counts = []
-    for converter in check(names, era=ERA, model_name=model_name):
+    version = running_version()
+    for converter in check(names, era=ERA, model_name=model_name, version=version):
         model_config, count = apply_to_config(
             model_config, converter, model_name=model_name, device_type=device_type
         )
@@ -98,11 +100,19 @@ class KernelConverter(ModelConfigConverter):
         return model_config
 
 
-def apply(trainer_config, value, *, model_name: str, device_type: str) -> None:
+def apply(
+    trainer_config, value, *, model_name: str, device_type: str, version: str
+) -> None:
     """Convert ``trainer_config``'s model with the named converters, in order."""
     names = parse_names(value)
     context_parallel = trainer_config.parallelism.context_parallel_degree > 1
-    check(names, era=ERA, model_name=model_name, context_parallel=context_parallel)
+    check(
+        names,
+        era=ERA,
+        model_name=model_name,
+        context_parallel=context_parallel,
+        version=version,
+    )
     spec = trainer_config.model_spec
     for name in names:
         config = KernelConverter.Config(

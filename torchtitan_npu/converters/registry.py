@@ -26,6 +26,7 @@ from torchtitan_npu.overlay.registry import (
     PatchContext,
     Target,
     no_change,
+    release,
 )
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,14 @@ class Replacement:
     build: Callable[..., Any]
     counted: str | None = None
     depends: tuple[str, ...] = ()
+    since: str | None = None  # first upstream release it works with (None: all)
+
+    def for_release(self, version: str | None) -> bool:
+        return (
+            version is None
+            or self.since is None
+            or release(version) >= release(self.since)
+        )
 
     @property
     def is_function(self) -> bool:
@@ -69,13 +78,23 @@ class Converter:
     context_parallel: bool = True  # False: refuses context-parallel layouts
     notes: tuple[str, ...] = field(default=())
 
-    def models(self, era: Era) -> tuple[str, ...]:
+    def models(self, era: Era, version: str | None = None) -> tuple[str, ...]:
+        """The models it converts in ``era`` (in upstream ``version`` if given)."""
+        replacements = self.replacements.get(era, ())
         return tuple(
-            sorted({m for r in self.replacements.get(era, ()) for m in r.models})
+            sorted(
+                {m for r in replacements if r.for_release(version) for m in r.models}
+            )
         )
 
-    def for_model(self, era: Era, model_name: str) -> list[Replacement]:
-        return [r for r in self.replacements.get(era, ()) if model_name in r.models]
+    def for_model(
+        self, era: Era, model_name: str, version: str | None = None
+    ) -> list[Replacement]:
+        return [
+            r
+            for r in self.replacements.get(era, ())
+            if model_name in r.models and r.for_release(version)
+        ]
 
     def implementation(self, device_type: str) -> Any:
         return self.kernel.for_device(device_type)
@@ -109,21 +128,28 @@ def get(name: str) -> Converter:
 
 
 def check(
-    names: list[str], *, era: Era, model_name: str, context_parallel: bool = False
+    names: list[str],
+    *,
+    era: Era,
+    model_name: str,
+    context_parallel: bool = False,
+    version: str | None = None,
 ) -> list[Converter]:
-    """The named converters, after checking each supports this model and layout."""
+    """The named converters, after checking each supports this model and layout
+    (in upstream ``version`` when given)."""
     converters = [get(name) for name in names]
     for converter in converters:
-        supported = converter.models(era)
+        supported = converter.models(era, version)
         if not supported:
             raise ConverterError(
                 f"converter {converter.name!r} is not available in era {era}; "
                 f"it exists for {sorted(converter.replacements)}"
             )
         if model_name not in supported:
+            where = f"torchtitan {version}" if version else f"era {era}"
             raise ConverterError(
                 f"converter {converter.name!r} does not support model "
-                f"{model_name!r} in era {era}; it supports {list(supported)}"
+                f"{model_name!r} in {where}; it supports {list(supported)}"
             )
         if context_parallel and not converter.context_parallel:
             raise ConverterError(
@@ -172,6 +198,7 @@ def records(era: Era) -> list[Patch]:
                 remove_when=f"the {converter.name} converter is retired",
                 apply=_record_apply(converter, replacement),
                 on_request=True,
+                since=replacement.since,
             )
             for depend in replacement.depends:
                 name = record_name(converter, depend)
@@ -185,6 +212,7 @@ def records(era: Era) -> list[Patch]:
                     upstream_ref=_RECORD_REF,
                     remove_when=f"the {converter.name} converter is retired",
                     apply=no_change,
+                    since=replacement.since,
                 )
     return list(out.values())
 
@@ -196,6 +224,13 @@ def request(converter: Converter, replacement: Replacement, device_type: str) ->
 
     name = record_name(converter, replacement.target)
     OVERLAY.apply_on_request(name, device_type)
+
+
+def running_version() -> str:
+    """The upstream version the active overlay was applied for."""
+    from torchtitan_npu.overlay import OVERLAY
+
+    return OVERLAY.context.upstream_version
 
 
 def subclass(

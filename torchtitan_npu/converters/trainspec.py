@@ -19,6 +19,7 @@ from torchtitan_npu.converters.registry import (
     parse_names,
     report,
     request,
+    running_version,
     subclass,
 )
 from torchtitan_npu.overlay.registry import resolve_target
@@ -38,7 +39,7 @@ def converted_class(
 def apply_to_module(model, converter: Converter, *, model_name: str, device_type: str):
     """Convert a built model in place; returns how many modules now use it."""
     count = 0
-    for replacement in converter.for_model(ERA, model_name):
+    for replacement in converter.for_model(ERA, model_name, running_version()):
         target = resolve_target(replacement.target)
         if replacement.is_function:
             users = getattr(target.owner, replacement.counted)
@@ -61,9 +62,10 @@ def apply_to_module(model, converter: Converter, *, model_name: str, device_type
 
 def apply_named(model, names: list[str], *, model_name: str, device_type: str):
     """Apply converters by name, in order; returns (model, counts)."""
+    checked = check(names, era=ERA, model_name=model_name, version=running_version())
     counts = [
         apply_to_module(model, c, model_name=model_name, device_type=device_type)
-        for c in check(names, era=ERA, model_name=model_name)
+        for c in checked
     ]
     return model, counts
 
@@ -79,6 +81,7 @@ def model_converter_class(converter: Converter, device_type: str) -> type:
                 era=ERA,
                 model_name=self.model_name,
                 context_parallel=parallel_dims.cp_enabled,
+                version=running_version(),
             )
 
         def convert(self, model) -> None:
@@ -100,7 +103,9 @@ def model_converter_classes(device_type: str) -> dict[str, type]:
     }
 
 
-def checked_names(value, *, model_name: str, context_parallel: bool) -> list[str]:
+def checked_names(
+    value, *, model_name: str, context_parallel: bool, version: str
+) -> list[str]:
     """The job config's converter list; titan-npu's names checked for the model.
 
     Upstream's own converters (float8, mx, ...) pass through by name.
@@ -117,5 +122,11 @@ def checked_names(value, *, model_name: str, context_parallel: bool) -> list[str
         raise ConverterError(
             f"unknown converter {unknown[0]!r}; known converters: {known}"
         )
-    check(ours, era=ERA, model_name=model_name, context_parallel=context_parallel)
+    check(
+        ours,
+        era=ERA,
+        model_name=model_name,
+        context_parallel=context_parallel,
+        version=version,
+    )
     return names

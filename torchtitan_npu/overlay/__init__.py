@@ -1,7 +1,8 @@
 """The overlay: the records of every change titan-npu makes to upstream, per
 era, and the process-wide overlay instance."""
 
-from torchtitan_npu.compat.era import Era, era_module
+from typing import TYPE_CHECKING
+
 from torchtitan_npu.overlay.registry import (
     Overlay,
     Patch,
@@ -11,12 +12,16 @@ from torchtitan_npu.overlay.registry import (
     check,
 )
 
+if TYPE_CHECKING:  # compat costs ~40 ms of `import torchtitan_npu`
+    from torchtitan_npu.compat.era import Era
+
 OVERLAY = Overlay()
 
 
-def patches_for(era: Era) -> list[Patch]:
+def patches_for(era: "Era") -> list[Patch]:
     """Every record of ``era`` in application order: ``common``, the era's own
     patches (``overlay/<era>.py``), then the kernel converters' records."""
+    from torchtitan_npu.compat.era import era_module
     from torchtitan_npu.converters import records
     from torchtitan_npu.overlay import common
 

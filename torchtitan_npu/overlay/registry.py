@@ -14,6 +14,8 @@ upstream object titan-npu relies on (a function reading a registry it writes,
 a class whose attributes a replacement reads).
 """
 
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import importlib
@@ -21,7 +23,10 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # compat costs ~40 ms of `import torchtitan_npu`
+    from torchtitan_npu.compat.era import Era
 
 PatchKind = Literal["wrap", "replace", "polyfill", "inject", "convert", "depend"]
 
@@ -39,7 +44,7 @@ class PatchContext:
     """What a patch may depend on: the running upstream and device."""
 
     upstream_version: str
-    era: str
+    era: Era
     device_type: str
     backend: str
     tested: bool  # False when running an untested upstream by opt-in
@@ -86,12 +91,25 @@ class Patch:
     target: str
     kind: PatchKind
     reason: str
-    eras: tuple[str, ...]
+    eras: tuple[Era, ...]
     upstream_ref: str
     remove_when: str
     apply: Callable[[Target, PatchContext], list[Change]]
     skip: Callable[[PatchContext], str | None] = field(default=lambda ctx: None)
     on_request: bool = False  # applied by apply_on_request, not at activation
+    since: str | None = None  # first upstream release it is for (None: all)
+
+    def for_release(self, version: str) -> bool:
+        return self.since is None or release(version) >= release(self.since)
+
+
+def release(version: str) -> tuple[int, ...]:
+    """``"0.2.1"`` (or ``"0.2.1.dev0+git..."``) as (0, 2, 1), for ordering."""
+    parts = []
+    for part in version.split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
 
 
 def no_change(target: Target, ctx: PatchContext) -> list[Change]:
@@ -153,6 +171,10 @@ def check(
     rows = []
     for patch in patches:
         want = expected.get(patch.target)
+        if not patch.for_release(ctx.upstream_version):
+            detail = f"for torchtitan {patch.since} and later"
+            rows.append(PatchStatus(patch, "not needed", detail, None, want))
+            continue
         try:
             target = resolve_target(patch.target)
         except (ImportError, AttributeError, KeyError) as e:
@@ -194,6 +216,16 @@ class Overlay:
     @property
     def active(self) -> bool:
         return self._ctx is not None
+
+    @property
+    def context(self) -> PatchContext:
+        """The context the active set was applied in."""
+        if self._ctx is None:
+            raise PatchTargetError(
+                "the overlay is not active: import torchtitan_npu (or call "
+                "torchtitan_npu.bootstrap.activate()) first"
+            )
+        return self._ctx
 
     def apply(
         self, patches: list[Patch], ctx: PatchContext, expected: dict[str, str]

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_npu.compat.era import Era
 from torchtitan_npu.state_dict_adapters import get_adapter
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 from torchtitan_npu.state_dict_adapters.mapping import (
@@ -59,7 +60,7 @@ class Result:
     seconds: float
 
 
-def current_era() -> str:
+def current_era() -> Era:
     from torchtitan_npu.compat import resolve_upstream
 
     return resolve_upstream().era
@@ -72,7 +73,7 @@ def from_hf(
     flavor: str | None = None,
     *,
     dtype: torch.dtype | None = None,
-    era: str | None = None,
+    era: Era | None = None,
     args: Any = None,
     progress: bool = True,
 ) -> Result:
@@ -128,7 +129,7 @@ def to_hf(
     dtype: torch.dtype | None = None,
     max_shard_size: str | int = "5GB",
     tokenizer: str | Path | None = None,
-    era: str | None = None,
+    era: Era | None = None,
     args: Any = None,
     progress: bool = True,
 ) -> Result:

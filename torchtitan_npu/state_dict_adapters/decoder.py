@@ -8,22 +8,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from torchtitan_npu.compat.era import Era
 from torchtitan_npu.state_dict_adapters.mapping import IDENTITY, Rule, TensorInfo
 
-TRAINSPEC, CONFIG_REGISTRY = "trainspec", "config_registry"
-
-
-def lm_head(era: str) -> str:
-    return "output.weight" if era == TRAINSPEC else "lm_head.weight"
-
-
-def qkv(era: str) -> str:
-    """Prefix of the q/k/v projections (0.3.x nests them in qkv_linear)."""
-    return "attention." if era == TRAINSPEC else "attention.qkv_linear."
+# The output head's native name.
+LM_HEAD = {Era.TRAINSPEC: "output.weight", Era.CONFIG_REGISTRY: "lm_head.weight"}
+# Prefix of the q/k/v projections (0.3.x nests them in qkv_linear).
+QKV = {Era.TRAINSPEC: "attention.", Era.CONFIG_REGISTRY: "attention.qkv_linear."}
 
 
 def dense_rules(
-    era: str,
+    era: Era,
     *,
     q=IDENTITY,
     k=IDENTITY,
@@ -34,7 +29,7 @@ def dense_rules(
 ) -> list[Rule]:
     """Embedding, attention, SwiGLU MLP, norms and (tie-able) output head."""
     hf, native = "model.layers.{layer}.", "layers.{layer}."
-    p = qkv_prefix if qkv_prefix is not None else qkv(era)
+    p = qkv_prefix if qkv_prefix is not None else QKV[era]
     rules = [Rule("model.embed_tokens.weight", "tok_embeddings.weight")]
     suffixes = ["weight", "bias"] if bias else ["weight"]
     for s in suffixes:
@@ -51,7 +46,7 @@ def dense_rules(
         Rule("model.norm.weight", "norm.weight"),
         Rule(
             "lm_head.weight",
-            head or lm_head(era),
+            head or LM_HEAD[era],
             tied_to="model.embed_tokens.weight",
         ),
     ]
@@ -91,20 +86,26 @@ class Attention:
     tied: bool
 
 
-def attention_facts(args: Any, era: str) -> Attention:
+def attention_facts(args: Any, era: Era) -> Attention:
     """Read heads / eps / rope / tying from upstream model args of either era."""
-    if era == TRAINSPEC:
-        n_heads = args.n_heads
-        return Attention(
-            n_heads=n_heads,
-            n_kv_heads=getattr(args, "n_kv_heads", None) or n_heads,
-            head_dim=getattr(args, "head_dim", None),
-            norm_eps=args.norm_eps,
-            rope=args,
-            rope_theta=float(args.rope_theta),
-            max_seq_len=args.max_seq_len,
-            tied=bool(getattr(args, "enable_weight_tying", False)),
-        )
+    return _ATTENTION_FACTS[era](args)
+
+
+def _trainspec_attention(args: Any) -> Attention:
+    n_heads = args.n_heads
+    return Attention(
+        n_heads=n_heads,
+        n_kv_heads=getattr(args, "n_kv_heads", None) or n_heads,
+        head_dim=getattr(args, "head_dim", None),
+        norm_eps=args.norm_eps,
+        rope=args,
+        rope_theta=float(args.rope_theta),
+        max_seq_len=args.max_seq_len,
+        tied=bool(getattr(args, "enable_weight_tying", False)),
+    )
+
+
+def _config_registry_attention(args: Any) -> Attention:
     attn = args.layers[0].attention
     qkv_linear = getattr(attn, "qkv_linear", None)
     n_heads = attn.n_heads
@@ -120,6 +121,12 @@ def attention_facts(args: Any, era: str) -> Attention:
         max_seq_len=attn.rope.max_seq_len,
         tied=bool(getattr(args, "enable_weight_tying", False)),
     )
+
+
+_ATTENTION_FACTS = {
+    Era.TRAINSPEC: _trainspec_attention,
+    Era.CONFIG_REGISTRY: _config_registry_attention,
+}
 
 
 def base_hf_config(

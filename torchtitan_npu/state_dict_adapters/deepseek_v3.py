@@ -5,24 +5,23 @@ per expert in HF. RoPE dims stay interleaved on both sides (HF
 ``rope_interleave=True``), so no permutation.
 """
 
-from torchtitan_npu.state_dict_adapters.decoder import (
-    TRAINSPEC,
-    lm_head,
-    mlp_rules,
-    n_layers,
-)
+from torchtitan_npu.compat.era import Era
+from torchtitan_npu.state_dict_adapters.decoder import LM_HEAD, mlp_rules, n_layers
 from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, Rule
 
 # Routed-expert and bias names per era (0.3.x renamed them).
 _EXPERTS = {
-    TRAINSPEC: ("moe.experts.w1", "moe.experts.w3", "moe.experts.w2"),
-    "config_registry": (
+    Era.TRAINSPEC: ("moe.experts.w1", "moe.experts.w3", "moe.experts.w2"),
+    Era.CONFIG_REGISTRY: (
         "moe.routed_experts.inner_experts.w1_EFD",
         "moe.routed_experts.inner_experts.w3_EFD",
         "moe.routed_experts.inner_experts.w2_EDF",
     ),
 }
-_EXPERT_BIAS = {TRAINSPEC: "moe.expert_bias", "config_registry": "moe.expert_bias_E"}
+_EXPERT_BIAS = {
+    Era.TRAINSPEC: "moe.expert_bias",
+    Era.CONFIG_REGISTRY: "moe.expert_bias_E",
+}
 
 
 def rules(era, hf_config):
@@ -46,7 +45,7 @@ def rules(era, hf_config):
         Rule(f"{hf}input_layernorm.weight", f"{native}attention_norm.weight"),
         Rule(f"{hf}post_attention_layernorm.weight", f"{native}ffn_norm.weight"),
         Rule("model.norm.weight", "norm.weight"),
-        Rule("lm_head.weight", lm_head(era), tied_to="model.embed_tokens.weight"),
+        Rule("lm_head.weight", LM_HEAD[era], tied_to="model.embed_tokens.weight"),
         Rule(f"{hf}mlp.gate.weight", f"{native}moe.router.gate.weight"),
         Rule(f"{hf}mlp.gate.e_score_correction_bias", f"{native}{_EXPERT_BIAS[era]}"),
     ]
@@ -122,31 +121,37 @@ def hf_config(args, era, layout):
 
 def _facts(args, era):
     """Era-neutral routing / MLA / rope facts of DeepSeek-V3 model args."""
-    if era == TRAINSPEC:
-        moe = args.moe_args
-        return dict(
-            n_heads=args.n_heads,
-            q_lora_rank=args.q_lora_rank,
-            kv_lora_rank=args.kv_lora_rank,
-            qk_nope_head_dim=args.qk_nope_head_dim,
-            qk_rope_head_dim=args.qk_rope_head_dim,
-            v_head_dim=args.v_head_dim,
-            norm_eps=args.norm_eps,
-            rope_theta=float(args.rope_theta),
-            max_seq_len=args.max_seq_len,
-            yarn=args.max_seq_len > args.original_seq_len,
-            rope_factor=float(args.rope_factor),
-            original_seq_len=args.original_seq_len,
-            beta_fast=args.beta_fast,
-            beta_slow=args.beta_slow,
-            mscale=args.mscale,
-            top_k=moe.top_k,
-            groups=getattr(moe, "num_expert_groups", None),  # none before 0.2.1
-            limited_groups=getattr(moe, "num_limited_groups", None),
-            route_norm=moe.route_norm,
-            route_scale=moe.route_scale,
-            score_func=moe.score_func,
-        )
+    return _FACTS[era](args)
+
+
+def _trainspec_facts(args):
+    moe = args.moe_args
+    return dict(
+        n_heads=args.n_heads,
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_nope_head_dim=args.qk_nope_head_dim,
+        qk_rope_head_dim=args.qk_rope_head_dim,
+        v_head_dim=args.v_head_dim,
+        norm_eps=args.norm_eps,
+        rope_theta=float(args.rope_theta),
+        max_seq_len=args.max_seq_len,
+        yarn=args.max_seq_len > args.original_seq_len,
+        rope_factor=float(args.rope_factor),
+        original_seq_len=args.original_seq_len,
+        beta_fast=args.beta_fast,
+        beta_slow=args.beta_slow,
+        mscale=args.mscale,
+        top_k=moe.top_k,
+        groups=getattr(moe, "num_expert_groups", None),  # none before 0.2.1
+        limited_groups=getattr(moe, "num_limited_groups", None),
+        route_norm=moe.route_norm,
+        route_scale=moe.route_scale,
+        score_func=moe.score_func,
+    )
+
+
+def _config_registry_facts(args):
     attn = args.layers[0].attention
     rope = attn.rope
     router = next(layer.moe for layer in args.layers if layer.moe).router
@@ -174,5 +179,7 @@ def _facts(args, era):
         score_func=router.score_func,
     )
 
+
+_FACTS = {Era.TRAINSPEC: _trainspec_facts, Era.CONFIG_REGISTRY: _config_registry_facts}
 
 ADAPTER = ModelAdapter("deepseek_v3", "DeepseekV3ForCausalLM", rules, hf_config)

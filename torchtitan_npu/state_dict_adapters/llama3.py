@@ -4,8 +4,8 @@ Native attention applies RoPE to interleaved pairs (complex multiply); HF
 rotates halves, so q/k rows are permuted per head.
 """
 
+from torchtitan_npu.compat.era import Era
 from torchtitan_npu.state_dict_adapters.decoder import (
-    TRAINSPEC,
     attention_facts,
     base_hf_config,
     dense_rules,
@@ -27,11 +27,16 @@ def hf_config(args, era, layout):
     return config
 
 
+# The llama3 rope scaling settings, or None: 0.2.x args hold them apart; a
+# 0.3.x RoPE config is itself scaled or not.
+_SCALING = {
+    Era.TRAINSPEC: lambda rope: getattr(rope, "rope_scaling_args", None),
+    Era.CONFIG_REGISTRY: lambda rope: rope if rope.scaling == "llama" else None,
+}
+
+
 def _rope_scaling(rope, era):
-    if era == TRAINSPEC:
-        scaling = getattr(rope, "rope_scaling_args", None)
-    else:
-        scaling = rope if rope.scaling == "llama" else None
+    scaling = _SCALING[era](rope)
     if scaling is None:
         return None
     return {

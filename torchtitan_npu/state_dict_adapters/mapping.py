@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torchtitan_npu.compat.era import Era
+
 PLACEHOLDERS = ("layer", "expert")
 
 # Non-model state in a native (DCP) training checkpoint: ignored on export.
@@ -288,5 +290,5 @@ class ModelAdapter:
     rules: Callable[[str, Mapping], list[Rule]]
     hf_config: Callable[[object, str, Mapping[str, TensorInfo]], dict]
 
-    def keymap(self, era: str, hf_config: Mapping) -> KeyMap:
+    def keymap(self, era: Era, hf_config: Mapping) -> KeyMap:
         return KeyMap(self.rules(era, hf_config))

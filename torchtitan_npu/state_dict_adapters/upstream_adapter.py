@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_npu.compat.era import Era
 from torchtitan_npu.state_dict_adapters import get_adapter
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 from torchtitan_npu.state_dict_adapters.mapping import ConversionError
@@ -20,14 +21,14 @@ from torchtitan_npu.state_dict_adapters.mapping import ConversionError
 _CLASSES: dict[tuple[str, str], type] = {}
 
 
-def adapter_class(model: str, era: str) -> type:
+def adapter_class(model: str, era: Era) -> type:
     """The upstream adapter class for `model` (cached: one class per model)."""
     if (model, era) not in _CLASSES:
         _CLASSES[model, era] = _make_class(model, era)
     return _CLASSES[model, era]
 
 
-def _make_class(model: str, era: str) -> type:
+def _make_class(model: str, era: Era) -> type:
     from torch.distributed.tensor import DTensor, Replicate
     from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 

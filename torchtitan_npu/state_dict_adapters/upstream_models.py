@@ -3,81 +3,102 @@
 from __future__ import annotations
 
 import copy
-import importlib
-from typing import Any
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, NamedTuple
 
 import torch
 
-from torchtitan_npu.state_dict_adapters.decoder import TRAINSPEC
+from torchtitan_npu.compat.era import Era
+from torchtitan_npu.models import find_model_module
 from torchtitan_npu.state_dict_adapters.mapping import ConversionError, TensorInfo
 
 
-def _package(model: str):
-    for root in ("torchtitan.models", "torchtitan_npu.models"):
-        try:
-            return importlib.import_module(f"{root}.{model}")
-        except ModuleNotFoundError:
-            continue
-    raise ConversionError(f"model {model!r}", ["no such upstream model package"])
+def _package(model: str) -> ModuleType:
+    package = find_model_module(model)
+    if package is None:
+        raise ConversionError(f"model {model!r}", ["no such upstream model package"])
+    return package
 
 
-def flavor_names(model: str, era: str) -> list[str]:
-    if era == TRAINSPEC:
-        from torchtitan.protocols.train_spec import get_train_spec
+def _train_spec(model: str) -> Any:
+    from torchtitan.protocols.train_spec import get_train_spec
 
-        return list(get_train_spec(model).model_args)
-    table = next(
-        (
-            v
-            for k, v in vars(_package(model)).items()
-            if k.endswith("_configs") and isinstance(v, dict)
-        ),
-        {},
+    return get_train_spec(model)
+
+
+def _trainspec_build(model: str, args: Any) -> torch.nn.Module:
+    args = copy.deepcopy(args)
+    if not hasattr(args, "moe_impl") and hasattr(args, "moe_args"):
+        args.moe_impl = "standard"  # set from the job config in training
+    return _train_spec(model).model_cls(args)
+
+
+def _config_registry_flavor_names(model: str) -> list[str]:
+    tables = (
+        v
+        for k, v in vars(_package(model)).items()
+        if k.endswith("_configs") and isinstance(v, dict)
     )
-    return list(table)
+    return list(next(tables, {}))
 
 
-def flavors(model: str, era: str) -> dict[str, Any]:
+class _Registry(NamedTuple):
+    """How an era's upstream lists flavors, gives their args, builds a model."""
+
+    flavor_names: Callable[[str], list[str]]
+    model_args: Callable[[str, str], Any]
+    build: Callable[[str, Any], torch.nn.Module]
+
+
+_REGISTRY = {
+    Era.TRAINSPEC: _Registry(
+        flavor_names=lambda model: list(_train_spec(model).model_args),
+        model_args=lambda model, flavor: _train_spec(model).model_args[flavor],
+        build=_trainspec_build,
+    ),
+    Era.CONFIG_REGISTRY: _Registry(
+        flavor_names=_config_registry_flavor_names,
+        model_args=lambda model, flavor: _package(model).model_registry(flavor).model,
+        build=lambda model, args: args.build(),
+    ),
+}
+
+
+def flavor_names(model: str, era: Era) -> list[str]:
+    return _REGISTRY[era].flavor_names(model)
+
+
+def flavors(model: str, era: Era) -> dict[str, Any]:
     """flavor name -> model args (0.2.x) or model config (0.3.x)."""
     return {name: model_args(model, name, era) for name in flavor_names(model, era)}
 
 
-def model_args(model: str, flavor: str, era: str) -> Any:
+def model_args(model: str, flavor: str, era: Era) -> Any:
     """One flavor's model args (0.2.x) or model config (0.3.x)."""
     known = flavor_names(model, era)
     if flavor not in known:
         raise ConversionError(
             f"model {model!r}", [f"unknown flavor {flavor!r}; known: {sorted(known)}"]
         )
-    if era == TRAINSPEC:
-        from torchtitan.protocols.train_spec import get_train_spec
-
-        return get_train_spec(model).model_args[flavor]
-    return _package(model).model_registry(flavor).model
+    return _REGISTRY[era].model_args(model, flavor)
 
 
-def build_meta(model: str, args: Any, era: str) -> torch.nn.Module:
+def build_meta(model: str, args: Any, era: Era) -> torch.nn.Module:
     """The native model on the meta device (no memory, no init)."""
     with torch.device("meta"):
-        if era != TRAINSPEC:
-            return args.build()
-        from torchtitan.protocols.train_spec import get_train_spec
-
-        args = copy.deepcopy(args)
-        if not hasattr(args, "moe_impl") and hasattr(args, "moe_args"):
-            args.moe_impl = "standard"  # set from the job config in training
-        return get_train_spec(model).model_cls(args)
+        return _REGISTRY[era].build(model, args)
 
 
 def layout_of(module: torch.nn.Module) -> dict[str, TensorInfo]:
     return {k: TensorInfo.of(v) for k, v in module.state_dict().items()}
 
 
-def native_layout(model: str, args: Any, era: str) -> dict[str, TensorInfo]:
+def native_layout(model: str, args: Any, era: Era) -> dict[str, TensorInfo]:
     return layout_of(build_meta(model, args, era))
 
 
-def describe(model: str, args: Any, era: str) -> tuple[dict[str, TensorInfo], bool]:
+def describe(model: str, args: Any, era: Era) -> tuple[dict[str, TensorInfo], bool]:
     """(layout, whether the output head really shares the embedding weight).
 
     Tying is read from the built model, not the args: 0.2.1's qwen3 has

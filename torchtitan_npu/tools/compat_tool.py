@@ -74,7 +74,7 @@ def record_installed() -> int:
         print(status_table(rows))
         print("\nCannot record: some targets are missing; fix those patches first.")
         return 1
-    fingerprints = {r.patch.target: r.found for r in rows}
+    fingerprints = {r.patch.target: r.found for r in rows if r.found}
     entries = read_lock()
     if entry is None:
         entry = UpstreamEntry(

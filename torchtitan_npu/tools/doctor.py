@@ -6,6 +6,8 @@ import platform
 import sys
 from pathlib import Path
 
+from torchtitan_npu.compat.era import Era
+
 CANN_HOME_ENVS = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
 
 
@@ -137,7 +139,7 @@ def manifest_table(rows) -> str:
     )
 
 
-def converter_table(era: str, device_type: str) -> str:
+def converter_table(era: Era, device_type: str) -> str:
     from torchtitan_npu.converters import CONVERTERS
     from torchtitan_npu.converters.kernels import impl_for
     from torchtitan_npu.tools.table import format_table

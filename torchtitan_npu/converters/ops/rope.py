@@ -117,7 +117,7 @@ def _cos_sin_rope(kernel, original):
     return {"apply_rotary_emb": staticmethod(apply_rotary_emb)}
 
 
-def _model_function(model: str, build) -> Replacement:
+def _model_function(model: str, build, since: str | None = None) -> Replacement:
     """0.2.x: the model module's apply_rotary_emb, called by Attention by name."""
     module = f"torchtitan.models.{model}.model.model"
     return Replacement(
@@ -126,6 +126,7 @@ def _model_function(model: str, build) -> Replacement:
         build,
         counted="Attention",
         depends=(f"{module}:reshape_for_broadcast",),
+        since=since,
     )
 
 
@@ -141,7 +142,8 @@ CONVERTER = register(
             Era.TRAINSPEC: (
                 _model_function("llama3", _llama3_rope),
                 _model_function("qwen3", _qwen3_rope),
-                _model_function("deepseek_v3", _deepseek_v3_rope),
+                # 0.2.0's deepseek_v3 has no reshape_for_broadcast (nor positions)
+                _model_function("deepseek_v3", _deepseek_v3_rope, since="0.2.1"),
             ),
             Era.CONFIG_REGISTRY: (
                 Replacement(f"{_ROPE_03}:ComplexRoPE", MODELS, _complex_rope),

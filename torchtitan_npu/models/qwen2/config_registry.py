@@ -11,6 +11,7 @@ from torchtitan.models.llama3.config_registry import llama3_debugmodel
 from torchtitan.protocols.model import BaseModel
 from torchtitan.protocols.model_spec import ModelSpec
 
+from torchtitan_npu.compat.era import Era
 from torchtitan_npu.models.qwen2.args import FLAVORS, Qwen2ModelArgs
 from torchtitan_npu.models.qwen2.model import Qwen2Model
 from torchtitan_npu.models.qwen2.parallelize import parallelize_qwen2, plan_for
@@ -89,7 +90,7 @@ def model_registry(flavor: str) -> ModelSpec:
         parallelize_fn=parallelize,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=None,
-        state_dict_adapter=adapter_class("qwen2", "config_registry"),
+        state_dict_adapter=adapter_class("qwen2", Era.CONFIG_REGISTRY),
     )
 
 

@@ -47,6 +47,7 @@ def train_spec():
     dataloader, tokenizer, loss, validator and pipeline builders."""
     from torchtitan.protocols.train_spec import get_train_spec
 
+    from torchtitan_npu.compat.era import Era
     from torchtitan_npu.state_dict_adapters.upstream_adapter import adapter_class
 
     return dataclasses.replace(
@@ -57,5 +58,5 @@ def train_spec():
             for name, args in FLAVORS.items()
         },
         parallelize_fn=parallelize,
-        state_dict_adapter=adapter_class("qwen2", "trainspec"),
+        state_dict_adapter=adapter_class("qwen2", Era.TRAINSPEC),
     )
