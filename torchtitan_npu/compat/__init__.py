@@ -65,7 +65,7 @@ def resolve_upstream(
     entries = read_lock() if entries is None else entries
     entry = find_entry(installed, entries)
     if entry is not None:
-        return Upstream(installed, Era(entry.era), entry)
+        return Upstream(installed, parse_era(entry.era), entry)
     if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
         return Upstream(installed, detect_era(), None)
     tested = ", ".join(f"{e.version} ({e.era}, torch {e.torch})" for e in entries)

@@ -25,8 +25,8 @@ from torchtitan_npu.overlay.registry import (
     Patch,
     PatchContext,
     Target,
+    in_releases,
     no_change,
-    release,
 )
 
 logger = logging.getLogger(__name__)
@@ -53,14 +53,11 @@ class Replacement:
     build: Callable[..., Any]
     counted: str | None = None
     depends: tuple[str, ...] = ()
-    since: str | None = None  # first upstream release it works with (None: all)
+    since: str | None = None  # the upstream releases it is for, as Patch's
+    before: str | None = None
 
     def for_release(self, version: str | None) -> bool:
-        return (
-            version is None
-            or self.since is None
-            or release(version) >= release(self.since)
-        )
+        return in_releases(version, self.since, self.before)
 
     @property
     def is_function(self) -> bool:
@@ -199,6 +196,7 @@ def records(era: Era) -> list[Patch]:
                 apply=_record_apply(converter, replacement),
                 on_request=True,
                 since=replacement.since,
+                before=replacement.before,
             )
             for depend in replacement.depends:
                 name = record_name(converter, depend)
@@ -213,6 +211,7 @@ def records(era: Era) -> list[Patch]:
                     remove_when=f"the {converter.name} converter is retired",
                     apply=no_change,
                     since=replacement.since,
+                    before=replacement.before,
                 )
     return list(out.values())
 

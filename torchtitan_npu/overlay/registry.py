@@ -97,10 +97,20 @@ class Patch:
     apply: Callable[[Target, PatchContext], list[Change]]
     skip: Callable[[PatchContext], str | None] = field(default=lambda ctx: None)
     on_request: bool = False  # applied by apply_on_request, not at activation
-    since: str | None = None  # first upstream release it is for (None: all)
+    # The upstream releases it is for, within its eras: from ``since`` on,
+    # before ``before`` (None: no bound). A target that drifted in a release
+    # gets a second record for it: the old one ends where the new one starts.
+    since: str | None = None
+    before: str | None = None
 
     def for_release(self, version: str) -> bool:
-        return self.since is None or release(version) >= release(self.since)
+        return in_releases(version, self.since, self.before)
+
+    @property
+    def releases(self) -> str:
+        bounds = [f">= {self.since}" if self.since else "", ""]
+        bounds[1] = f"< {self.before}" if self.before else ""
+        return ", ".join(b for b in bounds if b) or "all"
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -110,6 +120,17 @@ def release(version: str) -> tuple[int, ...]:
         digits = "".join(c for c in part if c.isdigit())
         parts.append(int(digits or 0))
     return tuple(parts)
+
+
+def in_releases(version: str | None, since: str | None, before: str | None) -> bool:
+    """Whether ``version`` is in [since, before); None bounds are open, and a
+    None version (any release) is in every range."""
+    if version is None:
+        return True
+    v = release(version)
+    return (since is None or v >= release(since)) and (
+        before is None or v < release(before)
+    )
 
 
 def no_change(target: Target, ctx: PatchContext) -> list[Change]:
@@ -172,7 +193,7 @@ def check(
     for patch in patches:
         want = expected.get(patch.target)
         if not patch.for_release(ctx.upstream_version):
-            detail = f"for torchtitan {patch.since} and later"
+            detail = f"for torchtitan {patch.releases}"
             rows.append(PatchStatus(patch, "not needed", detail, None, want))
             continue
         try:

@@ -30,29 +30,36 @@ def linked(text: str) -> str:
     return _GITHUB_REF.sub(r"[\1#\2](https://github.com/\1/issues/\2)", text)
 
 
+def _section(p: Patch) -> str:
+    releases = f"- releases: {p.releases}\n" if p.since or p.before else ""
+    return (
+        f"### {p.name} ({', '.join(p.eras)})\n\n"
+        f"- target: `{p.target}` ({p.kind})\n{releases}"
+        f"- why: {p.reason}\n"
+        f"- upstream: {linked(p.upstream_ref)}\n"
+        f"- remove when: {p.remove_when}"
+    )
+
+
 def render() -> str:
     patches = all_patches()
     summary = format_markdown_table(
         ["patch", "kind", "eras", "target"],
         [[p.name, p.kind, ", ".join(p.eras), f"`{p.target}`"] for p in patches],
     )
-    sections = "\n\n".join(
-        f"### {p.name} ({', '.join(p.eras)})\n\n"
-        f"- target: `{p.target}` ({p.kind})\n"
-        f"- why: {p.reason}\n"
-        f"- upstream: {linked(p.upstream_ref)}\n"
-        f"- remove when: {p.remove_when}"
-        for p in patches
-    )
+    sections = "\n\n".join(_section(p) for p in patches)
     return f"""# Patch manifest
 
 <!-- Generated from the patch registry by `titan-npu compat docs`; do not edit. -->
 
 Every change titan-npu makes to upstream torchtitan, torch or torch_npu is one
-record in `torchtitan_npu/overlay/`: its target is fingerprinted in
+record in the overlay registry (`torchtitan_npu/overlay/`, and one `convert`
+record per kernel-converter replacement): its target is fingerprinted in
 `upstream.lock`, checked before anything changes, and reverted by
-`deactivate()`. `titan-npu doctor` shows the records of the running upstream
-with their state on this machine (applied, not needed, disabled).
+`deactivate()`. `depend` records change nothing: they pin upstream objects
+titan-npu relies on. `titan-npu doctor` shows the records of the running
+upstream with their state on this machine (applied, on request, checked, not
+needed, disabled). See docs/architecture.md.
 
 {summary}
 
