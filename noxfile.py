@@ -65,6 +65,7 @@ def upstream_env(session: nox.Session, version: str) -> Path:
 def lint(session):
     session.run("uv", "run", "--frozen", "ruff", "check", ".")
     session.run("uv", "run", "--frozen", "ruff", "format", "--check", ".")
+    session.run("uv", "run", "--frozen", "pyrefly", "check")  # types of the package
 
 
 @nox.session(venv_backend="none")

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from torchtitan_npu.errors import CLI_ERRORS
+
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from torchtitan_npu import launcher
@@ -43,6 +45,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         command = [sys.executable, "-m", "torch.distributed.run"]
         command += [*torchrun_args(args), "-m", "torchtitan_npu.entry", str(resolved)]
         print(f"titan-npu: training, log in {run_dir / 'launcher.log'}", flush=True)
+        assert lock.fd is not None  # held until the run ends
         result = launcher.supervise(
             command,
             launcher.worker_env(run_dir),
@@ -223,15 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _user_errors() -> tuple[type[Exception], ...]:
-    from torchtitan_npu.distributed.device import TorchNpuLoadError
-
-    return ValueError, TorchNpuLoadError
-
-
-USER_ERRORS = _user_errors()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -246,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             print(version_report())
             return 0
         return args.handler(args, rest)
-    except USER_ERRORS as e:  # ConfigError and other user-facing errors
+    except CLI_ERRORS as e:  # ConfigError and other user-facing errors
         print(f"titan-npu: error: {e}", file=sys.stderr)
         return 2
 

@@ -52,15 +52,6 @@ def run_upstream() -> None:
     runpy.run_module("torchtitan.train", run_name="__main__")
 
 
-def _user_errors() -> tuple[type[Exception], ...]:
-    from torchtitan_npu.compat import UntestedUpstreamError
-    from torchtitan_npu.config import ConfigError
-    from torchtitan_npu.distributed import TorchNpuLoadError
-    from torchtitan_npu.overlay import PatchTargetError
-
-    return ConfigError, UntestedUpstreamError, PatchTargetError, TorchNpuLoadError
-
-
 def main(argv: list[str] | None = None) -> None:
     from torchtitan_npu.launcher import die_with_parent, record_failure
     from torchtitan_npu.tools.log_noise import quiet_upstream_noise
@@ -81,14 +72,15 @@ def _main(argv: list[str] | None) -> None:
     with open(argv[0]) as f:
         config = json.load(f)
 
-    user_errors = _user_errors()
+    from torchtitan_npu.errors import RANK_ERRORS
+
     fd, job_file = tempfile.mkstemp(prefix="titan-npu-job-")
     os.close(fd)
     try:
         try:
             prepare_upstream(job_file)
             hand_over(config, job_file)
-        except user_errors as e:  # a clear message, not a traceback per rank
+        except RANK_ERRORS as e:  # a clear message, not a traceback per rank
             print(f"titan-npu: error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         run_upstream()

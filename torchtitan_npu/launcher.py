@@ -25,13 +25,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchtitan_npu.errors import LaunchError
+
 RUN_DIR_ENV = "TITAN_NPU_RUN_DIR"  # where ranks record their failures
 LOCK_NAME = ".titan-npu.lock"
 _PR_SET_PDEATHSIG = 1
-
-
-class LaunchError(ValueError):
-    """A launch that cannot start (bad process counts, a busy dump folder)."""
 
 
 def world_size(nproc_per_node: str, nnodes: str) -> int | None:

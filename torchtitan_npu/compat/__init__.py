@@ -18,12 +18,9 @@ from torchtitan_npu.compat.lock import (
     read_lock,
     write_lock,
 )
+from torchtitan_npu.errors import UntestedUpstreamError
 
 ALLOW_UNTESTED_ENV = "TITAN_NPU_ALLOW_UNTESTED"
-
-
-class UntestedUpstreamError(RuntimeError):
-    """The installed torchtitan has no upstream.lock entry."""
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,7 @@ import json
 from dataclasses import dataclass
 
 from torchtitan_npu.compat.era import Era
-
-
-class UpstreamNotInstalled(ImportError):
-    pass
+from torchtitan_npu.errors import UpstreamNotInstalled
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,11 @@ from the repository root's file); a source checkout reads the root file.
 import dataclasses
 import re
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from torchtitan_npu.errors import LockError
 
 LOCK_NAME = "upstream.lock"
 LOCK_HEADER = """\
@@ -23,10 +26,6 @@ LOCK_HEADER = """\
 STATUSES = ("tested", "experimental")
 UNKNOWN_COMMIT = "unknown"
 _HEX = re.compile(r"[0-9a-f]+")
-
-
-class LockError(ValueError):
-    """upstream.lock is missing, unreadable or malformed."""
 
 
 @dataclass(frozen=True)
@@ -115,8 +114,8 @@ def default_entry(entries: list[UpstreamEntry]) -> UpstreamEntry:
     return next(e for e in entries if e.default)
 
 
-_FIELD_TYPES = {
-    f.name: (dict if f.name == "fingerprints" else f.type)
+_FIELD_TYPES: dict[str, type] = {
+    f.name: (dict if f.name == "fingerprints" else typing.cast(type, f.type))
     for f in dataclasses.fields(UpstreamEntry)
 }
 _REQUIRED = [

@@ -92,7 +92,8 @@ def _activation_checkpoint(mode: str):
     }
     if mode not in modes:
         raise ConfigError(f"activation_checkpoint.mode {mode!r}: one of {list(modes)}")
-    return modes[mode] and modes[mode]()
+    factory = modes[mode]
+    return factory() if factory is not None else None
 
 
 def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:

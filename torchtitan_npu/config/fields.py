@@ -49,7 +49,9 @@ def expected(annotation: Any, value: Any) -> str | None:
         return expected(args[0], value)
     if origin in (typing.Union, types.UnionType):
         wants = [expected(arm, value) for arm in args]
-        return None if None in wants else " or ".join(dict.fromkeys(wants))
+        if None in wants:
+            return None
+        return " or ".join(dict.fromkeys(w for w in wants if w is not None))
     if origin is typing.Literal:
         return None if value in args else f"one of {list(args)}"
     if annotation is type(None):

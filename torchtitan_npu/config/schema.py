@@ -9,13 +9,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from torchtitan_npu.errors import ConfigError
+
 EMBEDDED = "embedded"
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_CONFIG = MODELS_DIR / "llama3" / "train_configs" / "debug_model.toml"
-
-
-class ConfigError(ValueError):
-    """A train config the running upstream cannot honour."""
 
 
 def wrong_type(key: str, value: Any, want: str, version: str) -> ConfigError:

@@ -44,6 +44,7 @@ def translate(
     """The nested dict upstream's ``--job.config_file`` TOML should contain:
     every key checked against ``JobConfig`` (renamed, type-checked), the model,
     flavor and converters. Raises ConfigError naming the key."""
+    # pyrefly: ignore[missing-module-attribute]  # 0.2.x only
     from torchtitan.config import JobConfig
 
     defaults = JobConfig()

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
-from torchtitan_npu.config.schema import ConfigError
 from torchtitan_npu.converters.kernels import Kernel
+from torchtitan_npu.errors import ConverterError
 from torchtitan_npu.overlay.registry import (
     Change,
     Patch,
@@ -30,10 +30,6 @@ from torchtitan_npu.overlay.registry import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class ConverterError(ConfigError):
-    """An unknown converter, or one the model or layout cannot take."""
 
 
 @dataclass(frozen=True)

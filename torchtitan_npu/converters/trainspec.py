@@ -41,7 +41,7 @@ def apply_to_module(model, converter: Converter, *, model_name: str, device_type
     count = 0
     for replacement in converter.for_model(ERA, model_name, running_version()):
         target = resolve_target(replacement.target)
-        if replacement.is_function:
+        if replacement.counted is not None:  # a function: count its users
             users = getattr(target.owner, replacement.counted)
             used = sum(type(m) is users for m in model.modules())
             if used:
@@ -111,6 +111,8 @@ def checked_names(
     Upstream's own converters (float8, mx, ...) pass through by name.
     """
     import torchtitan.components.quantization  # noqa: F401  (registers its names)
+
+    # pyrefly: ignore[missing-module-attribute]  # 0.2.x only
     from torchtitan.protocols import model_converter
 
     names = parse_names(value)

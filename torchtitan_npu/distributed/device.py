@@ -6,14 +6,13 @@ machine without paying for torch.
 
 import importlib.util
 import os
+from collections.abc import Mapping, MutableMapping
+
+from torchtitan_npu.errors import TorchNpuLoadError
 
 DEVICE_ENV = "TITAN_NPU_DEVICE"  # force "npu", "cuda" or "cpu"
 DEVICE_TYPES = ("npu", "cuda", "cpu")
 _BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
-
-
-class TorchNpuLoadError(ImportError):
-    """torch_npu is installed but cannot be loaded (usually: no Ascend CANN)."""
 
 
 def torch_npu_installed() -> bool:
@@ -23,7 +22,7 @@ def torch_npu_installed() -> bool:
 AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"  # torch's: "0" = no torch_npu
 
 
-def torch_npu_wanted(env: dict[str, str] | None = None) -> bool:
+def torch_npu_wanted(env: Mapping[str, str] | None = None) -> bool:
     """Is torch_npu to be loaded? Not when absent, when another device is
     forced, or when torch's device-backend autoload is off."""
     env = os.environ if env is None else env
@@ -35,7 +34,7 @@ def torch_npu_wanted(env: dict[str, str] | None = None) -> bool:
     )
 
 
-def keep_torch_npu_out(env: dict[str, str]) -> None:
+def keep_torch_npu_out(env: MutableMapping[str, str]) -> None:
     """With a forced non-NPU device, keep torch from autoloading torch_npu
     (which fails outright on a host without CANN)."""
     if torch_npu_installed() and env.get(DEVICE_ENV) not in (None, "", "npu"):

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from torchtitan_npu.errors import PatchTargetError
+
 if TYPE_CHECKING:  # compat costs ~40 ms of `import torchtitan_npu`
     from torchtitan_npu.compat.era import Era
 
@@ -33,10 +35,6 @@ PatchKind = Literal["wrap", "replace", "polyfill", "inject", "convert", "depend"
 # By-value copies (``from torchtitan.tools.utils import device_type``) are
 # rebound only in modules under these prefixes.
 REBIND_PREFIXES = ("torchtitan.", "torchtitan_npu.")
-
-
-class PatchTargetError(ValueError):
-    """A patch target is missing or changed in the installed upstream."""
 
 
 @dataclass(frozen=True)

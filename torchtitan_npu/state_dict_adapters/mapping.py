@@ -15,29 +15,18 @@ as one `ConversionError`.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.errors import ConversionError
 
 PLACEHOLDERS = ("layer", "expert")
 
 # Non-model state in a native (DCP) training checkpoint: ignored on export.
 TRAINING_STATE_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state")
-
-
-class ConversionError(ValueError):
-    """Everything wrong with one conversion, reported together."""
-
-    def __init__(self, what: str, problems: Iterable[str]):
-        self.problems = list(problems)
-        listed = "\n".join(f"  - {p}" for p in self.problems[:50])
-        more = len(self.problems) - 50
-        if more > 0:
-            listed += f"\n  ... and {more} more"
-        super().__init__(f"{what}: {len(self.problems)} problem(s)\n{listed}")
 
 
 @dataclass(frozen=True)
@@ -188,7 +177,7 @@ class KeyMap:
             _, experts = sources.setdefault(native, (rule, {}))
             experts[expert] = key
         for rule in self.rules:  # tied weights absent from the HF files
-            if rule.tied_to is None or rule.tied_to not in hf:
+            if rule.tied_to is None or rule.native is None or rule.tied_to not in hf:
                 continue
             native = rule.native.format()
             if native not in sources and (expected is None or native in expected):

@@ -64,7 +64,9 @@ class NativeCheckpoint:
         metadata = self._reader.read_metadata()
         flat = tensor.view(-1).view(torch.uint8)
         row = tensor[0].numel() if tensor.dim() else 1
-        for chunk in metadata.state_dict_metadata[key].chunks:
+        stored = metadata.state_dict_metadata[key]
+        assert isinstance(stored, TensorStorageMetadata), key  # checked when listed
+        for chunk in stored.chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
             if tensor.dim() and (
                 any(offsets[1:]) or sizes[1:] != tuple(tensor.shape[1:])
@@ -123,6 +125,7 @@ def _read_record(path: Path, offset: int, length: int, sizes, out: torch.Tensor)
         ):
             raise _NotPlain
         f.seek(_data_start(f, offset, info))
+        # pyrefly: ignore[bad-argument-type]  # numpy arrays are buffers
         if f.readinto(memoryview(out.numpy())) != out.numel():
             raise _NotPlain
 

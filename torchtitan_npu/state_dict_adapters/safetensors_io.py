@@ -50,11 +50,13 @@ class HFCheckpoint:
         self.config = _read_json(self.path / CONFIG, problems, required=False)
         files = sorted(self.path.glob("*.safetensors"))
         index = _read_json(self.path / INDEX, problems, required=False)
+        weight_map: dict = {}
         if index is not None:
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict):
+            listed_map = index.get("weight_map") if isinstance(index, dict) else None
+            if isinstance(listed_map, dict):
+                weight_map = listed_map
+            else:
                 problems.append(f"{INDEX}: no 'weight_map' object")
-                weight_map = {}
             listed = sorted(set(weight_map.values()))
             missing = [f for f in listed if not (self.path / f).is_file()]
             problems += [f"{INDEX} names {f!r}, which does not exist" for f in missing]
@@ -180,6 +182,8 @@ class ShardedWriter:
         if shard != self._shard:
             self._open(shard)
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        assert self._file is not None  # _open above
+        # pyrefly: ignore[bad-argument-type]  # numpy arrays are buffers
         self._file.write(memoryview(data.numpy()))
         self._next += 1
 

@@ -53,8 +53,9 @@ def _make_class(model: str, era: Era) -> type:
                     raise ConversionError(f"{model} to_hf", [f"no rule for {key!r}"])
                 rule, fields = found
                 if rule.tied_to and self.tied:
-                    source, _ = self.keymap.match_hf(rule.tied_to)
-                    self.tied_keys[key] = source.native
+                    tied = self.keymap.match_hf(rule.tied_to)
+                    assert tied is not None and tied[0].native, rule.tied_to
+                    self.tied_keys[key] = tied[0].native
                     continue
                 if not rule.stacked:
                     hf[rule.hf.format(**fields)] = rule.transform.to_hf(value)

@@ -9,6 +9,7 @@ from torchtitan_npu.compat import (
     find_entry,
     installed_upstream,
     lock_path,
+    parse_era,
     read_lock,
     write_lock,
 )
@@ -28,14 +29,16 @@ def _inspect_installed():
     load_torch_npu()
     installed = installed_upstream()
     entry = find_entry(installed, read_lock())
-    era = entry.era if entry else detect_era()
+    era = parse_era(entry.era) if entry else detect_era()
     device = select_device_type()
     ctx = PatchContext(installed.version, era, device, backend_for(device), True)
     rows = check(patches_for(era), ctx, entry.fingerprints if entry else {})
     return installed, entry, era, rows
 
 
-def status_table(rows) -> str:
+def status_table(rows, *, pending: str = "pending") -> str:
+    """The records' table; ``pending`` names the state of verified records
+    not applied yet (``compat check`` applies nothing)."""
     return format_table(
         ["patch", "kind", "target", "lock", "installed", "state"],
         [
@@ -45,7 +48,8 @@ def status_table(rows) -> str:
                 r.patch.target,
                 r.expected or "-",
                 r.found or "-",
-                r.state + (f" ({r.detail})" if r.detail else ""),
+                (pending if r.state == "pending" else r.state)
+                + (f" ({r.detail})" if r.detail else ""),
             ]
             for r in rows
         ],
@@ -57,10 +61,7 @@ def check_installed() -> int:
     locked = f"locked ({entry.status})" if entry else "NOT IN upstream.lock"
     print(f"torchtitan {installed.version}: {locked}, era {era}")
     # "pending"/"not needed" both mean: target present and fingerprint matches.
-    for r in rows:
-        if r.state == "pending":
-            r.state = "ok"
-    print(status_table(rows))
+    print(status_table(rows, pending="ok"))
     bad = [r for r in rows if r.state in ("missing", "drifted")]
     if bad:
         print(f"\n{len(bad)} patch target(s) drifted or missing: re-verify them.")

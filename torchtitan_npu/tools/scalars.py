@@ -43,7 +43,7 @@ def read_scalars(
     for folder in tensorboard_dirs(run):
         accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})
         accumulator.Reload()
-        found = set(accumulator.Tags()["scalars"])
+        found: set[str] = set(accumulator.Tags()["scalars"])  # pyrefly: ignore
         present |= found
         for tag in found & set(tags):
             merged[tag].update((e.step, e.value) for e in accumulator.Scalars(tag))

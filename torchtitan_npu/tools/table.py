@@ -1,7 +1,9 @@
 """Plain-text tables for terminal reports."""
 
+from typing import Any
 
-def format_table(headers: list[str], rows: list[list[str]]) -> str:
+
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
     lines = [
         "  ".join(str(c).ljust(w) for c, w in zip(headers, widths)).rstrip(),
@@ -13,7 +15,7 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def format_markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+def format_markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)

@@ -46,6 +46,7 @@ class Qwen2(Qwen2Model, BaseModel):
         """Submodules are plain torch modules by design (single-device
         semantics, parallelized by parallelize.py), not upstream Modules."""
 
+    # pyrefly: ignore[bad-override]  # upstream's keyword-only protocol
     def init_weights(self, **kwargs) -> None:
         Qwen2Model.init_weights(self, kwargs.get("buffer_device"))
 

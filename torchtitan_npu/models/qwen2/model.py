@@ -133,6 +133,7 @@ class Qwen2Model(nn.Module):
             std = 0.02 if self.model_args.tie_embeddings else 1.0
             nn.init.normal_(self.tok_embeddings.weight, std=std)
         for layer in self.layers.values():
+            # pyrefly: ignore[not-callable]  # ModuleDict values are typed Module
             layer.init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()

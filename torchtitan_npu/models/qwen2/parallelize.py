@@ -7,6 +7,7 @@ upstream's config and parallel dims into a `Plan`.
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -97,6 +98,7 @@ def parallelize_qwen2(model: Qwen2Model, plan: Plan) -> Qwen2Model:
         apply_ac(model, plan.ac_mode)
     if plan.compile:
         for name, block in model.layers.named_children():
+            # pyrefly: ignore[bad-argument-type]  # compile returns the module
             model.layers.register_module(name, torch.compile(block, fullgraph=True))
     if plan.dp_mesh is not None:
         apply_fsdp(model, plan)
@@ -164,7 +166,7 @@ def _save_matmuls(ctx, op, *args, **kwargs):
 def apply_ac(model: Qwen2Model, mode: str) -> None:
     if mode not in ("full", "selective"):
         raise ValueError(f"qwen2: activation checkpoint mode {mode!r} is not supported")
-    kwargs = {"preserve_rng_state": False}
+    kwargs: dict[str, Any] = {"preserve_rng_state": False}
     if mode == "selective":
         kwargs["context_fn"] = partial(
             create_selective_checkpoint_contexts, _save_matmuls

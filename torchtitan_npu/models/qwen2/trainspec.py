@@ -4,6 +4,7 @@ function and TrainSpec. The overlay registers it (`register_train_spec`)."""
 import dataclasses
 from dataclasses import dataclass
 
+# pyrefly: ignore[missing-module-attribute]  # 0.2.x only
 from torchtitan.protocols.model import BaseModelArgs
 
 from torchtitan_npu.models.qwen2.args import FLAVORS, Qwen2ModelArgs

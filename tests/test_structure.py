@@ -1,0 +1,71 @@
+"""The package's shape: no import cycles between its packages, and the
+modules everything depends on (errors, eras) are leaves."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "torchtitan_npu"
+LEAVES = ("errors.py", "compat/era.py")
+
+
+def module_imports(path: Path) -> set[str]:
+    """torchtitan_npu modules imported when ``path`` loads (not in functions,
+    not under ``if TYPE_CHECKING``)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.startswith("torchtitan_npu")}
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "torchtitan_npu"
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        source = package_of(".".join(path.relative_to(PACKAGE.parent).parts))
+        for module in module_imports(path):
+            if package_of(module) != source:
+                graph.setdefault(source, set()).add(package_of(module))
+    return graph
+
+
+def test_no_import_cycles_between_packages():
+    graph = package_graph()
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                raise AssertionError(f"import cycle: {' -> '.join([*path, nxt])}")
+            if nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert graph  # the graph was read
+
+
+def test_errors_and_eras_are_leaves():
+    for leaf in LEAVES:
+        assert module_imports(PACKAGE / leaf) == set(), leaf
+
+
+def test_every_user_error_lives_in_errors():
+    """Error classes are defined once, in errors.py."""
+    defined = {
+        f"{path.relative_to(PACKAGE)}:{node.name}"
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+        and (node.name.endswith("Error") or node.name == "UpstreamNotInstalled")
+    }
+    assert defined and all(name.startswith("errors.py:") for name in defined), defined
