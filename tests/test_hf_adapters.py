@@ -353,3 +353,17 @@ def test_native_reader_reads_records_directly(tmp_path):
         loaded = torch.empty(info.shape, dtype=info.dtype)
         dcp.load({key: loaded}, checkpoint_id=str(tmp_path / "native"))
         assert torch.equal(direct, loaded), key
+
+
+def test_two_hf_keys_for_one_native_tensor_are_refused():
+    """Import refuses a mapping collision, as export does (never overwrites)."""
+    from torchtitan_npu.state_dict_adapters.mapping import KeyMap, Rule, TensorInfo
+
+    keymap = KeyMap([Rule("a.weight", "x.weight"), Rule("b.weight", "x.weight")])
+    info = TensorInfo((2, 2), torch.float32)
+    with pytest.raises(ConversionError, match="'x.weight' mapped from 'a.weight'"):
+        keymap.plan_from_hf({"a.weight": info, "b.weight": info})
+    with pytest.raises(ConversionError, match="'a.weight' produced by"):
+        KeyMap([Rule("a.weight", "x.weight"), Rule("a.weight", "y.weight")]).plan_to_hf(
+            {"x.weight": info, "y.weight": info}
+        )

@@ -58,17 +58,13 @@ EAGER_FLEX_ATTENTION = Patch(
 
 
 def _apply_hf_adapter(target: Target, ctx: PatchContext) -> list[Change]:
-    import dataclasses
-
-    from torchtitan_npu.state_dict_adapters.upstream_adapter import adapter_class
+    from torchtitan_npu.state_dict_adapters.upstream_adapter import with_adapter
 
     original = target.obj
     model = target.owner.__name__.rsplit(".", 1)[-1]
 
     def model_registry(*args, **kwargs):
-        spec = original(*args, **kwargs)
-        adapter = adapter_class(model, ctx.era)
-        return dataclasses.replace(spec, state_dict_adapter=adapter)
+        return with_adapter(original(*args, **kwargs), model, ctx.era)
 
     return [Change(target.owner, target.attr, model_registry, rebind=True)]
 

@@ -89,19 +89,14 @@ FLEX_MASK_DEVICE = Patch(
 
 
 def _apply_hf_adapters(target: Target, ctx: PatchContext) -> list[Change]:
-    import dataclasses
-
     from torchtitan_npu.state_dict_adapters import ADAPTERS
-    from torchtitan_npu.state_dict_adapters.upstream_adapter import adapter_class
+    from torchtitan_npu.state_dict_adapters.upstream_adapter import with_adapter
 
     original = target.obj
 
     def get_train_spec(name: str):
         spec = original(name)
-        if name not in ADAPTERS:
-            return spec
-        adapter = adapter_class(name, ctx.era)
-        return dataclasses.replace(spec, state_dict_adapter=adapter)
+        return with_adapter(spec, name, ctx.era) if name in ADAPTERS else spec
 
     return [Change(target.owner, target.attr, get_train_spec, rebind=True)]
 

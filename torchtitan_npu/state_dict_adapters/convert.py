@@ -27,6 +27,7 @@ from torchtitan_npu.state_dict_adapters.mapping import (
     TRAINING_STATE_PREFIXES,
     ConversionError,
     TensorInfo,
+    compare_layouts,
 )
 from torchtitan_npu.state_dict_adapters.native_io import NativeCheckpoint, write_native
 from torchtitan_npu.state_dict_adapters.safetensors_io import (
@@ -146,7 +147,7 @@ def to_hf(
     if args is None:
         flavor, args = _flavor_for_native(model, flavor, model_keys, era)
     expected, tied = um.describe(model, args, era)
-    problems = _layout_diff(model_keys, expected)
+    problems = compare_layouts(model_keys, expected, "model")
     if problems:
         raise ConversionError(f"native checkpoint {checkpoint}", problems)
     config = adapter.hf_config(args, era, expected)
@@ -212,7 +213,7 @@ def _flavor_for_native(model, flavor, layout, era):
     if flavor is not None:
         return flavor, um.model_args(model, flavor, era)
     for name, args in um.flavors(model, era).items():
-        if not _layout_diff(layout, um.native_layout(model, args, era)):
+        if not compare_layouts(layout, um.native_layout(model, args, era), "model"):
             return name, args
     raise ConversionError(
         f"{model} checkpoint", ["no flavor has these tensor shapes; pass --flavor"]
@@ -241,18 +242,6 @@ _ARCH_FIELDS = (
 
 def _arch(config: dict) -> dict:
     return {k: config.get(k) for k in _ARCH_FIELDS if config.get(k) is not None}
-
-
-def _layout_diff(got: dict, want: dict) -> list[str]:
-    problems = [f"missing model tensor {k!r}" for k in want if k not in got]
-    problems += [f"unexpected tensor {k!r}" for k in got if k not in want]
-    problems += [
-        f"shape mismatch {k!r}: checkpoint {list(got[k].shape)}, "
-        f"model {list(want[k].shape)}"
-        for k in got.keys() & want.keys()
-        if got[k].shape != want[k].shape
-    ]
-    return sorted(problems)
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:

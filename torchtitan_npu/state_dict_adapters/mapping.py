@@ -175,6 +175,11 @@ class KeyMap:
             native = rule.native.format(**fields)
             expert = int(fields["expert"]) if rule.stacked else 0
             _, experts = sources.setdefault(native, (rule, {}))
+            if expert in experts:  # two HF keys for one native tensor
+                problems.append(
+                    f"{native!r} mapped from {experts[expert]!r} and {key!r}"
+                )
+                continue
             experts[expert] = key
         for rule in self.rules:  # tied weights absent from the HF files
             if rule.tied_to is None or rule.native is None or rule.tied_to not in hf:
@@ -198,7 +203,7 @@ class KeyMap:
                 Group(native, keys, rule, TensorInfo(shape, infos[0].dtype), infos)
             )
         if expected is not None:
-            problems += _compare(
+            problems += compare_layouts(
                 {g.native: g.native_info for g in groups}, expected, "native"
             )
         if problems:
@@ -249,9 +254,11 @@ def _match(compiled, key):
     return None
 
 
-def _compare(
+def compare_layouts(
     got: Mapping[str, TensorInfo], want: Mapping[str, TensorInfo], side: str
 ) -> list[str]:
+    """What differs between a checkpoint's tensors and a model's: missing and
+    unexpected keys, shapes, and non-float tensors."""
     problems = [f"missing {side} key {k!r}" for k in want if k not in got]
     problems += [f"unexpected {side} key {k!r}" for k in got if k not in want]
     for k in got.keys() & want.keys():

@@ -28,6 +28,13 @@ def adapter_class(model: str, era: Era) -> type:
     return _CLASSES[model, era]
 
 
+def with_adapter(spec: Any, model: str, era: Era) -> Any:
+    """An upstream TrainSpec / ModelSpec with titan-npu's adapter for ``model``."""
+    import dataclasses
+
+    return dataclasses.replace(spec, state_dict_adapter=adapter_class(model, era))
+
+
 def _make_class(model: str, era: Era) -> type:
     from torch.distributed.tensor import DTensor, Replicate
     from torchtitan.protocols.state_dict_adapter import StateDictAdapter
