@@ -313,3 +313,26 @@ def test_a_change_to_a_missing_attribute_is_refused(upstream):
     with pytest.raises(AttributeError, match="has no attribute 'renamed_upstream'"):
         _set(Change(tools_utils, "renamed_upstream", 1))
     assert not hasattr(tools_utils, "renamed_upstream")
+
+
+def test_fingerprint_cache_follows_the_source_file(tmp_path, monkeypatch):
+    """A cached fingerprint is recomputed when its file changes."""
+    import importlib
+    import sys
+
+    from torchtitan_npu.overlay import registry
+
+    monkeypatch.setenv("TITAN_NPU_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = tmp_path / "drifting_upstream.py"
+    module.write_text("def target():\n    return 1\n")
+    first = fingerprint(importlib.import_module("drifting_upstream").target)
+    registry.save_fingerprints()
+    assert (tmp_path / "cache" / "fingerprints.json").is_file()
+    module.write_text("def target():\n    return 22\n")
+    del sys.modules["drifting_upstream"]
+    second = fingerprint(importlib.import_module("drifting_upstream").target)
+    assert first != second
+    assert second == registry._source_fingerprint(
+        sys.modules["drifting_upstream"].target
+    )

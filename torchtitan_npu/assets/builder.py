@@ -48,12 +48,20 @@ class DefaultAssets:
     corpus_sha256: str
 
 
-def cache_root() -> Path:
-    base = os.environ.get("TITAN_NPU_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "titan-npu"
+def cache_base() -> Path:
+    """titan-npu's cache folder: $TITAN_NPU_CACHE, else ~/.cache/titan-npu."""
+    return Path(
+        os.environ.get("TITAN_NPU_CACHE")
+        or os.path.join(
+            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+            "titan-npu",
+        )
     )
+
+
+def cache_root() -> Path:
     version = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return Path(base) / f"default-assets-v{RECIPE_VERSION}-{version}"
+    return cache_base() / f"default-assets-v{RECIPE_VERSION}-{version}"
 
 
 def _public_docs(module) -> list[str]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import json
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -152,14 +154,73 @@ def resolve_target(spec: str) -> Target:
 
 
 def fingerprint(obj: Any) -> str:
-    """sha256 (16 hex) of the dedented source of a function, method or class."""
+    """sha256 (16 hex) of the dedented source of a function, method or class.
+
+    Cached per source file, keyed by its size and mtime (as .pyc files are):
+    finding a class's source parses its whole file, which made activation
+    2-3 times slower."""
+    import inspect
+
+    func = obj.__func__ if isinstance(obj, staticmethod | classmethod) else obj
+    path = inspect.getsourcefile(func)
+    if path is None:
+        return _source_fingerprint(func)
+    stat = os.stat(path)
+    entry = _FINGERPRINTS.setdefault(path, {"stamp": [], "objects": {}})
+    stamp = [stat.st_size, stat.st_mtime_ns]
+    if entry["stamp"] != stamp:
+        entry["stamp"], entry["objects"] = stamp, {}
+    name = f"{func.__module__}:{func.__qualname__}"
+    if name not in entry["objects"]:
+        entry["objects"][name] = _source_fingerprint(func)
+        _FINGERPRINTS_CHANGED.append(path)
+    return entry["objects"][name]
+
+
+def _source_fingerprint(func: Any) -> str:
     import hashlib
     import inspect
     import textwrap
 
-    func = obj.__func__ if isinstance(obj, staticmethod | classmethod) else obj
     source = textwrap.dedent(inspect.getsource(func))
     return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def _fingerprint_cache() -> str:
+    from torchtitan_npu.assets.builder import cache_base
+
+    return os.path.join(cache_base(), "fingerprints.json")
+
+
+def _load_fingerprints() -> dict[str, dict[str, Any]]:
+    try:
+        with open(_fingerprint_cache()) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # no cache yet, or an unreadable one: recompute
+
+
+def save_fingerprints() -> None:
+    """Persist the fingerprint cache (atomically; a failure only costs time)."""
+    if not _FINGERPRINTS_CHANGED:
+        return
+    import tempfile
+
+    path = _fingerprint_cache()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".fingerprints.", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as f:
+            json.dump(_FINGERPRINTS, f)
+        os.replace(tmp, path)
+        _FINGERPRINTS_CHANGED.clear()
+    except OSError:
+        pass
+
+
+_FINGERPRINTS: dict[str, dict[str, Any]] = {}
+_FINGERPRINTS_CHANGED: list[str] = []
 
 
 @dataclass
@@ -187,6 +248,8 @@ def check(
     patches: list[Patch], ctx: PatchContext, expected: dict[str, str]
 ) -> list[PatchStatus]:
     """Resolve and fingerprint every target without changing anything."""
+    if not _FINGERPRINTS:
+        _FINGERPRINTS.update(_load_fingerprints())
     rows = []
     for patch in patches:
         want = expected.get(patch.target)
@@ -215,6 +278,7 @@ def check(
             skip = patch.skip(ctx)
             state = "not needed" if skip else "pending"
             rows.append(PatchStatus(patch, state, skip or "", found, want))
+    save_fingerprints()
     return rows
 
 
