@@ -56,6 +56,14 @@ def copy_checkpoint(source_dump: Path, step: int, target_dump: Path) -> None:
     shutil.copytree(source_dump / "checkpoint" / f"step-{step}", target)
 
 
+def heavy_except(values: list, light) -> list:
+    """``values`` as pytest params, all but ``light`` marked heavy: `nox -s
+    quick` runs the light one, `nox -s tests` all of them."""
+    return [
+        v if v == light else pytest.param(v, marks=pytest.mark.heavy) for v in values
+    ]
+
+
 def requires_era(era: str):
     """Skip unless the installed upstream is of ``era`` (nox runs every era)."""
     return pytest.mark.skipif(

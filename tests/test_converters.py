@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 from hf_support import native_model
-from support import LOSS, requires_newest_of_era, train
+from support import LOSS, heavy_except, requires_newest_of_era, train
 
 from torchtitan_npu import converters
 from torchtitan_npu.bootstrap import activate, deactivate
@@ -123,7 +123,7 @@ def runs_forward(model: str, era: str) -> bool:
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", heavy_except(MODELS, "llama3"))
 def test_converted_model_matches_upstream(model, name, era, reference):
     converter = converters.get(name)
     if not converter.models(era):
@@ -150,7 +150,7 @@ def test_converted_model_matches_upstream(model, name, era, reference):
         assert forward == 0.0
 
 
-@pytest.mark.parametrize("model", ["llama3", "deepseek_v3"])
+@pytest.mark.parametrize("model", heavy_except(["llama3", "deepseek_v3"], "llama3"))
 def test_all_converters_together(model, era, reference):
     if not runs_forward(model, era):
         pytest.skip("0.2.x deepseek_v3 cannot run forward on CPU (torch.histc int64)")
@@ -364,7 +364,7 @@ def test_npu_kernels_leave_dtensors_to_native(torch_npu, tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("model", ["llama3", "qwen3"])
+@pytest.mark.parametrize("model", heavy_except(["llama3", "qwen3"], "llama3"))
 def test_converted_model_on_npu_calls_each_kernel(model, era, torch_npu):
     names = ["rms_norm", "rope", "attention", "swiglu"]
     module, counts = converted_model(model, names, era, device_type="npu")
@@ -388,6 +388,7 @@ def test_converted_model_on_npu_calls_each_kernel(model, era, torch_npu):
     }
 
 
+@pytest.mark.heavy
 def test_converted_moe_model_on_npu_calls_each_kernel(era, torch_npu):
     if era == "trainspec":
         pytest.skip("0.2.x deepseek_v3 cannot run forward on CPU (torch.histc int64)")

@@ -24,7 +24,7 @@ from hf_support import (
 )
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from support import requires_newest_of_era
+from support import heavy_except, requires_newest_of_era
 
 from torchtitan_npu.bootstrap import activate, deactivate
 from torchtitan_npu.state_dict_adapters import ConversionError, convert, get_adapter
@@ -54,7 +54,7 @@ def overlay():
     deactivate()
 
 
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(scope="module", params=heavy_except(MODELS, "llama3"))
 def hf_checkpoint(request, tmp_path_factory):
     model = request.param
     args = model_args(model, ERA)
@@ -97,7 +97,7 @@ def test_hf_native_hf_is_tensor_identical(hf_checkpoint, tmp_path):
     assert torch.equal(hf_logits(reloaded.eval(), TOKENS), hf_logits(hf, TOKENS))
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", heavy_except(MODELS, "llama3"))
 def test_native_hf_native_is_bit_exact(model, tmp_path):
     args = model_args(model, ERA)
     native = native_model(model, args, ERA, seed=7)

@@ -78,6 +78,7 @@ def _mean_on_two_ranks(rank: int, store: str, results) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.heavy
 def test_mean_by_sum_on_two_ranks(tmp_path):
     results = mp.Manager().dict()
     mp.spawn(_mean_on_two_ranks, args=(str(tmp_path / "store"), results), nprocs=2)
