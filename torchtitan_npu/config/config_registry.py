@@ -40,7 +40,7 @@ _HANDLED = {"model.name", "model.flavor", "job.description"}
 _OPTIMIZER_KWARGS = {"lr", "eps", "weight_decay"}
 
 
-def base_config(name: str, flavor: str):
+def base_config(name: str, flavor: str) -> Any:
     """Upstream's (or an injected model's) config function for name + flavor."""
     registry = find_model_module(name, ERA.value)  # the era is named after it
     if registry is None:
@@ -164,7 +164,7 @@ def hand_over(trainer_config: Any, job_file: str) -> None:
     _handed_over[:] = [trainer_config]
 
 
-def titan_npu():
+def titan_npu() -> Any:
     """Config function upstream's ConfigManager calls (``--config titan_npu``)."""
     if not _handed_over:
         raise ConfigError(

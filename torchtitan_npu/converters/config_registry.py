@@ -8,6 +8,7 @@ that build converted subclasses.
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from torchtitan.config import derive
 from torchtitan.protocols.model import ModelConfigConverter
@@ -43,7 +44,7 @@ def converted_class(
 
 def apply_to_config(
     model_config, converter: Converter, *, model_name: str, device_type: str
-):
+) -> tuple[Any, int]:
     """A converted copy of the config tree's matching nodes; returns (config, count)."""
     count = 0
     for replacement in converter.for_model(ERA, model_name, running_version()):
@@ -65,7 +66,9 @@ def apply_to_config(
     return model_config, count
 
 
-def apply_named(model_config, names: list[str], *, model_name: str, device_type: str):
+def apply_named(
+    model_config, names: list[str], *, model_name: str, device_type: str
+) -> tuple[Any, list[int]]:
     """Apply converters by name, in order; returns (model_config, counts)."""
     counts = []
     version = running_version()
@@ -89,7 +92,7 @@ class KernelConverter(ModelConfigConverter):
     def __init__(self, config: Config):
         self.config = config
 
-    def convert(self, model_config):
+    def convert(self, model_config) -> Any:
         cfg = self.config
         model_config, _ = apply_to_config(
             model_config,

@@ -230,7 +230,7 @@ def running_version() -> str:
 
 def subclass(
     cls: type, replacement: Replacement, converter_name: str, device_type: str
-):
+) -> tuple[str, dict[str, Any]]:
     """``cls``'s subclass name and attributes: the converter's overrides."""
     converter = CONVERTERS[converter_name]
     name = f"{cls.__name__}_{converter_name}"

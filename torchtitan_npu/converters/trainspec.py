@@ -8,6 +8,7 @@ and a replaced function (RoPE) is swapped through its overlay record.
 """
 
 import functools
+from typing import Any
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.converters.registry import (
@@ -36,7 +37,9 @@ def converted_class(
     return type(name, (cls,), attrs)
 
 
-def apply_to_module(model, converter: Converter, *, model_name: str, device_type: str):
+def apply_to_module(
+    model, converter: Converter, *, model_name: str, device_type: str
+) -> int:
     """Convert a built model in place; returns how many modules now use it."""
     count = 0
     for replacement in converter.for_model(ERA, model_name, running_version()):
@@ -60,7 +63,9 @@ def apply_to_module(model, converter: Converter, *, model_name: str, device_type
     return count
 
 
-def apply_named(model, names: list[str], *, model_name: str, device_type: str):
+def apply_named(
+    model, names: list[str], *, model_name: str, device_type: str
+) -> tuple[Any, list[int]]:
     """Apply converters by name, in order; returns (model, counts)."""
     checked = check(names, era=ERA, model_name=model_name, version=running_version())
     counts = [

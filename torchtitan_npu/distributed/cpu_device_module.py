@@ -13,6 +13,7 @@ import os
 import platform
 import resource
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ def get_device_name(device=None) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def get_device_properties(device=None):
+def get_device_properties(device=None) -> Any:
     return SimpleNamespace(name=get_device_name(), total_memory=_total_memory_bytes())
 
 

@@ -7,6 +7,7 @@ machine without paying for torch.
 import importlib.util
 import os
 from collections.abc import Mapping, MutableMapping
+from types import ModuleType
 
 from torchtitan_npu.errors import TorchNpuLoadError
 
@@ -63,7 +64,7 @@ def check_torch_loads() -> None:
         raise
 
 
-def load_torch_npu():
+def load_torch_npu() -> ModuleType | None:
     """Import torch_npu when wanted, before torchtitan reads the device type.
 
     torch_npu registers the ``npu`` privateuse1 backend; upstream detects the

@@ -1,5 +1,7 @@
 """Patches every era needs: device choice, SUM-only reductions, NPU wiring."""
 
+from typing import Any
+
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.overlay.registry import Change, Patch, PatchContext, Target
 
@@ -125,7 +127,7 @@ FSDP_SUM_REDUCTION = Patch(
 )
 
 
-def eager_flex_attention(*args, **kwargs):
+def eager_flex_attention(*args, **kwargs) -> Any:
     """torch's eager flex_attention, without its "called without torch.compile"
     notice: on CPU eager is the point (the compiled kernel has no backward)."""
     import warnings

@@ -5,6 +5,8 @@ per expert in HF. RoPE dims stay interleaved on both sides (HF
 ``rope_interleave=True``), so no permutation.
 """
 
+from typing import Any
+
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.state_dict_adapters.decoder import LM_HEAD, mlp_rules, n_layers
 from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, Rule
@@ -24,7 +26,7 @@ _EXPERT_BIAS = {
 }
 
 
-def rules(era, hf_config):
+def rules(era, hf_config) -> list[Rule]:
     hf, native = "model.layers.{layer}.", "layers.{layer}."
     attn = [
         ("q_proj", "wq"),
@@ -61,7 +63,7 @@ def rules(era, hf_config):
     return out
 
 
-def hf_config(args, era, layout):
+def hf_config(args, era, layout) -> dict[str, Any]:
     a = _facts(args, era)
     vocab, dim = layout["tok_embeddings.weight"].shape
     w1 = _EXPERTS[era][0]

@@ -4,22 +4,24 @@ Native attention applies RoPE to interleaved pairs (complex multiply); HF
 rotates halves, so q/k rows are permuted per head.
 """
 
+from typing import Any
+
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.state_dict_adapters.decoder import (
     attention_facts,
     base_hf_config,
     dense_rules,
 )
-from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, rope_permute
+from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, Rule, rope_permute
 
 
-def rules(era, hf_config):
+def rules(era, hf_config) -> list[Rule]:
     n_heads = hf_config["num_attention_heads"]
     n_kv = hf_config.get("num_key_value_heads") or n_heads
     return dense_rules(era, q=rope_permute(n_heads), k=rope_permute(n_kv))
 
 
-def hf_config(args, era, layout):
+def hf_config(args, era, layout) -> dict[str, Any]:
     facts = attention_facts(args, era)
     config = base_hf_config("LlamaForCausalLM", "llama", facts, layout)
     config.update(attention_bias=False, mlp_bias=False)

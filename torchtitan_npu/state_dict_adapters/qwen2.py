@@ -4,15 +4,17 @@ The native model rotates halves like HF (no permutation); q/k/v carry
 biases; the head is ``output`` on 0.2.x and ``lm_head`` on 0.3.x.
 """
 
+from typing import Any
+
 from torchtitan_npu.state_dict_adapters.decoder import dense_rules, n_layers
-from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter
+from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, Rule
 
 
-def rules(era, hf_config):
+def rules(era, hf_config) -> list[Rule]:
     return dense_rules(era, bias=True, qkv_prefix="attention.")
 
 
-def hf_config(args, era, layout):
+def hf_config(args, era, layout) -> dict[str, Any]:
     a = getattr(args, "args", args)  # 0.3.x: the model Config holds the args
     return {
         "architectures": ["Qwen2ForCausalLM"],

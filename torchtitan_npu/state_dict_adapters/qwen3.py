@@ -3,19 +3,21 @@
 Native Qwen3 rotates halves like HF, so no q/k permutation; q/k RMSNorms.
 """
 
+from typing import Any
+
 from torchtitan_npu.state_dict_adapters.decoder import (
     attention_facts,
     base_hf_config,
     dense_rules,
 )
-from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter
+from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, Rule
 
 
-def rules(era, hf_config):
+def rules(era, hf_config) -> list[Rule]:
     return dense_rules(era, qk_norm=True)
 
 
-def hf_config(args, era, layout):
+def hf_config(args, era, layout) -> dict[str, Any]:
     facts = attention_facts(args, era)
     config = base_hf_config("Qwen3ForCausalLM", "qwen3", facts, layout)
     config.update(attention_bias=False, rope_scaling=None)

@@ -9,6 +9,7 @@ equivalents with NPU activity; upstream's trace handler, folders and
 """
 
 import logging
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +20,7 @@ def _torch_npu_profiler():
     return torch_npu.profiler
 
 
-def profile(*, activities=None, schedule=None, on_trace_ready=None, **kwargs):
+def profile(*, activities=None, schedule=None, on_trace_ready=None, **kwargs) -> Any:
     """A torch_npu profiler recording CPU and NPU activity."""
     profiler = _torch_npu_profiler()
     return profiler.profile(
@@ -30,7 +31,7 @@ def profile(*, activities=None, schedule=None, on_trace_ready=None, **kwargs):
     )
 
 
-def schedule(*, wait, warmup, active, repeat=0, skip_first=0, skip_first_wait=0):
+def schedule(*, wait, warmup, active, repeat=0, skip_first=0, skip_first_wait=0) -> Any:
     """torch_npu's schedule; it has no ``skip_first_wait`` (ignored, with a warning)."""
     if skip_first_wait:
         logger.warning("torch_npu's profiler schedule has no skip_first_wait; ignored")

@@ -15,7 +15,7 @@ from torchtitan_npu.converters.ops.common import MODELS
 from torchtitan_npu.converters.registry import Converter, Replacement, register
 
 
-def native(q, k, v, *, mask, scale, enable_gqa):
+def native(q, k, v, *, mask, scale, enable_gqa) -> torch.Tensor:
     return F.scaled_dot_product_attention(
         q,
         k,
@@ -39,7 +39,7 @@ def _npu_causal_mask(device: torch.device) -> torch.Tensor:
 
 
 @npu_kernel(native)
-def npu(q, k, v, *, mask, scale, enable_gqa):
+def npu(q, k, v, *, mask, scale, enable_gqa) -> torch.Tensor:
     if mask is None:
         atten_mask, sparse_mode = _npu_causal_mask(q.device), 3
     else:  # torch_npu masks out where True

@@ -9,12 +9,12 @@ from torchtitan_npu.converters.ops.common import MODELS
 from torchtitan_npu.converters.registry import Converter, Replacement, register
 
 
-def native(x, normalized_shape, weight, eps):
+def native(x, normalized_shape, weight, eps) -> torch.Tensor:
     return F.rms_norm(x, normalized_shape, weight, eps)
 
 
 @npu_kernel(native)
-def npu(x, normalized_shape, weight, eps):
+def npu(x, normalized_shape, weight, eps) -> torch.Tensor:
     if weight is None:
         weight = x.new_ones(normalized_shape)
     if eps is None:  # nn.RMSNorm's default: the dtype's machine epsilon

@@ -9,12 +9,12 @@ from torchtitan_npu.converters.ops.common import MODELS, MOE_MODELS
 from torchtitan_npu.converters.registry import Converter, Replacement, register
 
 
-def native(gate, up):
+def native(gate, up) -> torch.Tensor:
     return F.silu(gate) * up
 
 
 @npu_kernel(native)
-def npu(gate, up):
+def npu(gate, up) -> torch.Tensor:
     return torch_npu().npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
 
 

@@ -24,7 +24,7 @@ class TokenPermute(NamedTuple):
     unpermute: Callable
 
 
-def permute_native(tokens, expert_ids):
+def permute_native(tokens, expert_ids) -> tuple[torch.Tensor, torch.Tensor]:
     top_k = expert_ids.shape[-1] if expert_ids.dim() == 2 else 1
     order = torch.argsort(expert_ids.reshape(-1), stable=True)
     rows = torch.empty_like(order)
@@ -33,7 +33,7 @@ def permute_native(tokens, expert_ids):
     return tokens[order // top_k], rows.to(torch.int32)
 
 
-def unpermute_native(routed, rows, probs):
+def unpermute_native(routed, rows, probs) -> torch.Tensor:
     num_tokens, top_k = probs.shape
     # each token's routes in row (= expert) order: upstream's summation order
     token_rows, order = rows.view(num_tokens, top_k).sort(dim=1)
@@ -49,12 +49,12 @@ def unpermute_native(routed, rows, probs):
 
 
 @npu_kernel(permute_native)
-def permute_npu(tokens, expert_ids):
+def permute_npu(tokens, expert_ids) -> tuple[torch.Tensor, torch.Tensor]:
     return torch_npu().npu_moe_token_permute(tokens, expert_ids)
 
 
 @npu_kernel(unpermute_native)
-def unpermute_npu(routed, rows, probs):
+def unpermute_npu(routed, rows, probs) -> torch.Tensor:
     # the kernel weights in the tokens' dtype (bf16 on some CANN releases)
     return torch_npu().npu_moe_token_unpermute(routed, rows, probs.to(routed.dtype))
 

@@ -6,12 +6,14 @@
   functions (`--module torchtitan_npu.models.qwen2`).
 """
 
+from typing import Any
+
 from torchtitan_npu.models.qwen2.args import FLAVORS, Qwen2ModelArgs
 
 qwen2_configs = FLAVORS  # flavor table, named like upstream's <model>_configs
 
 
-def model_registry(flavor: str):
+def model_registry(flavor: str) -> Any:
     """0.3.x ModelSpec for `flavor` (imports the 0.3.x glue on use)."""
     from torchtitan_npu.models.qwen2.config_registry import model_registry
 

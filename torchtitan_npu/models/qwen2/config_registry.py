@@ -4,6 +4,7 @@ one ``Trainer.Config`` function per flavor (``qwen2_<flavor>``)."""
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
@@ -61,7 +62,7 @@ def parallelize(
     ac_config,
     dump_folder,
     skip_dp: bool = False,
-):
+) -> Any:
     ac_mode = "none"
     if ac_config is not None:
         ac_mode = "selective" if "Selective" in type(ac_config).__qualname__ else "full"
@@ -107,21 +108,21 @@ def _trainer_config(flavor: str):
     return config
 
 
-def qwen2_debugmodel():
+def qwen2_debugmodel() -> Any:
     return _trainer_config("debugmodel")
 
 
-def qwen2_debugmodel_tied():
+def qwen2_debugmodel_tied() -> Any:
     return _trainer_config("debugmodel_tied")
 
 
-def qwen2_0_5b():
+def qwen2_0_5b() -> Any:
     return _trainer_config("0.5B")
 
 
-def qwen2_1_5b():
+def qwen2_1_5b() -> Any:
     return _trainer_config("1.5B")
 
 
-def qwen2_7b():
+def qwen2_7b() -> Any:
     return _trainer_config("7B")

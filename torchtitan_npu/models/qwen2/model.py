@@ -124,7 +124,7 @@ class Qwen2Model(nn.Module):
         head = getattr(self, self.HEAD)
         return head(h) if head is not None else h
 
-    def init_weights(self, buffer_device: torch.device | None = None, **unused):
+    def init_weights(self, buffer_device: torch.device | None = None, **unused) -> None:
         """Initialize everything (after meta-device build + sharding)."""
         device = buffer_device or self.rope_cache.device
         with torch.device(device):

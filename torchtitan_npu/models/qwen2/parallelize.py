@@ -64,7 +64,7 @@ def plan_for(
     training,
     parallelism,
     sum_gradients,
-):
+) -> Plan:
     """A `Plan` from either era's parallel dims and config sections."""
     from torchtitan.config import TORCH_DTYPE_MAP
 

@@ -3,6 +3,7 @@ function and TrainSpec. The overlay registers it (`register_train_spec`)."""
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 # pyrefly: ignore[missing-module-attribute]  # 0.2.x only
 from torchtitan.protocols.model import BaseModelArgs
@@ -43,7 +44,7 @@ def _loss_is_global_token_mean() -> bool:
     return hasattr(llama3, "disable_fsdp_gradient_division")
 
 
-def train_spec():
+def train_spec() -> Any:
     """llama3's TrainSpec with the Qwen2 model: the same optimizer, scheduler,
     dataloader, tokenizer, loss, validator and pipeline builders."""
     from torchtitan.protocols.train_spec import get_train_spec
