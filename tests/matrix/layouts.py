@@ -134,9 +134,15 @@ LAYOUTS = [
 ]
 
 # titan-npu's injected Qwen2 (models/qwen2): the same checks, its own seed
-# checkpoint and single-device reference.
+# checkpoint and single-device reference. On 0.3.x it is built from upstream's
+# decoder parts, so DDP, CP and the converters apply to it too.
 _QWEN2 = {"model.name": "qwen2", "model.flavor": "debugmodel"}
 _QWEN2_PP = _pipeline("1F1B")
+_QWEN2_OWN_MODEL = {
+    "trainspec": "0.2.x trains titan-npu's own Qwen2 module, with its own "
+    "parallelize (FSDP, TP, PP, AC); DDP, CP and the converters apply to "
+    "upstream's decoder parts (0.3.x)"
+}
 LAYOUTS += [
     Layout("qwen2_single", 1, {**_degrees(), **_QWEN2}),
     Layout("qwen2_fsdp", 2, {**_degrees(dp_shard=2), **_QWEN2}),
@@ -152,6 +158,28 @@ LAYOUTS += [
         "qwen2_fsdp_ac_selective",
         2,
         {**_degrees(dp_shard=2), **_QWEN2, "activation_checkpoint.mode": "selective"},
+    ),
+    Layout(
+        "qwen2_ddp",
+        2,
+        {**_degrees(dp_replicate=2), **_QWEN2},
+        unsupported=_QWEN2_OWN_MODEL,
+    ),
+    Layout(
+        "qwen2_cp",
+        2,
+        {**_degrees(cp=2), **_QWEN2, "training.seq_len": 512},
+        unsupported=_QWEN2_OWN_MODEL,
+    ),
+    Layout(
+        "qwen2_converters_fsdp",
+        2,
+        {
+            **_degrees(dp_shard=2),
+            **_QWEN2,
+            "model.converters": "rms_norm,rope,attention,swiglu",
+        },
+        unsupported=_QWEN2_OWN_MODEL,
     ),
 ]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -283,8 +284,8 @@ class ModelAdapter:
 
     name: str
     hf_architecture: str
-    rules: Callable[[str, Mapping], list[Rule]]
-    hf_config: Callable[[object, str, Mapping[str, TensorInfo]], dict]
+    rules: Callable[[Era, Mapping], list[Rule]]
+    hf_config: Callable[[Any, Era, Mapping[str, TensorInfo]], dict]
 
     def keymap(self, era: Era, hf_config: Mapping) -> KeyMap:
         return KeyMap(self.rules(era, hf_config))

@@ -1,34 +1,63 @@
 """Qwen2 (titan-npu's injected model) <-> HF Qwen2ForCausalLM.
 
-The native model rotates halves like HF (no permutation); q/k/v carry
-biases; the head is ``output`` on 0.2.x and ``lm_head`` on 0.3.x.
+Native attention rotates halves like HF (no permutation) and q/k/v carry
+biases. On 0.2.x the model is titan-npu's own (``models/qwen2/model.py``); on
+0.3.x it is built from upstream's decoder parts, with upstream's names.
 """
 
 from typing import Any
 
-from torchtitan_npu.state_dict_adapters.decoder import dense_rules, n_layers
+from torchtitan_npu.compat.era import Era
+from torchtitan_npu.state_dict_adapters.decoder import (
+    attention_facts,
+    dense_rules,
+    n_layers,
+)
 from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, Rule
 
 
-def rules(era, hf_config) -> list[Rule]:
-    return dense_rules(era, bias=True, qkv_prefix="attention.")
+def rules(era: Era, hf_config) -> list[Rule]:
+    return dense_rules(era, bias=True)
 
 
-def hf_config(args, era, layout) -> dict[str, Any]:
-    a = getattr(args, "args", args)  # 0.3.x: the model Config holds the args
+def _trainspec_shape(args: Any, layout) -> dict[str, Any]:
+    """0.2.x: titan-npu's Qwen2ModelArgs."""
+    return {
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+    }
+
+
+def _config_registry_shape(config: Any, layout) -> dict[str, Any]:
+    """0.3.x: upstream's decoder config."""
+    facts = attention_facts(config, Era.CONFIG_REGISTRY)
+    return {
+        "num_attention_heads": facts.n_heads,
+        "num_key_value_heads": facts.n_kv_heads,
+        "rms_norm_eps": facts.norm_eps,
+        "rope_theta": facts.rope_theta,
+        "max_position_embeddings": facts.max_seq_len,
+        "tie_word_embeddings": facts.tied,
+    }
+
+
+_SHAPE = {Era.TRAINSPEC: _trainspec_shape, Era.CONFIG_REGISTRY: _config_registry_shape}
+
+
+def hf_config(args, era: Era, layout) -> dict[str, Any]:
+    vocab, dim = layout["tok_embeddings.weight"].shape
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
-        "vocab_size": a.vocab_size,
-        "hidden_size": a.dim,
-        "intermediate_size": a.hidden_dim,
+        "vocab_size": vocab,
+        "hidden_size": dim,
+        "intermediate_size": layout["layers.0.feed_forward.w1.weight"].shape[0],
         "num_hidden_layers": n_layers(layout),
-        "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads,
-        "rms_norm_eps": a.norm_eps,
-        "rope_theta": a.rope_theta,
-        "max_position_embeddings": a.max_seq_len,
-        "tie_word_embeddings": a.tie_embeddings,
+        **_SHAPE[era](args, layout),
         "hidden_act": "silu",
         "use_sliding_window": False,
         "rope_scaling": None,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.converters.kernels import Kernel, npu_kernel, torch_npu
-from torchtitan_npu.converters.ops.common import MODELS
+from torchtitan_npu.converters.ops.common import DECODERS_03, MODELS
 from torchtitan_npu.converters.registry import Converter, Replacement, register
 
 
@@ -153,7 +153,7 @@ CONVERTER = register(
             Era.CONFIG_REGISTRY: (
                 Replacement(
                     "torchtitan.models.common.attention:FlexAttention",
-                    MODELS,
+                    DECODERS_03,
                     _attention_blnh,
                 ),
             ),

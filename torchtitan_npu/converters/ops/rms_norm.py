@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.converters.kernels import Kernel, npu_kernel, torch_npu
-from torchtitan_npu.converters.ops.common import MODELS
+from torchtitan_npu.converters.ops.common import DECODERS_03, MODELS
 from torchtitan_npu.converters.registry import Converter, Replacement, register
 
 
@@ -40,7 +40,9 @@ CONVERTER = register(
             Era.TRAINSPEC: (Replacement("torch.nn:RMSNorm", MODELS, _rms_norm),),
             Era.CONFIG_REGISTRY: (
                 Replacement(
-                    "torchtitan.models.common.nn_modules:RMSNorm", MODELS, _rms_norm
+                    "torchtitan.models.common.nn_modules:RMSNorm",
+                    DECODERS_03,
+                    _rms_norm,
                 ),
             ),
         },

@@ -10,7 +10,7 @@ import torch
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.converters.kernels import Kernel, npu_kernel, torch_npu
-from torchtitan_npu.converters.ops.common import MODELS
+from torchtitan_npu.converters.ops.common import DECODERS_03, MODELS
 from torchtitan_npu.converters.registry import Converter, Replacement, register
 
 
@@ -147,7 +147,7 @@ CONVERTER = register(
             ),
             Era.CONFIG_REGISTRY: (
                 Replacement(f"{_ROPE_03}:ComplexRoPE", MODELS, _complex_rope),
-                Replacement(f"{_ROPE_03}:CosSinRoPE", MODELS, _cos_sin_rope),
+                Replacement(f"{_ROPE_03}:CosSinRoPE", DECODERS_03, _cos_sin_rope),
             ),
         },
         notes=(

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.converters.kernels import Kernel, npu_kernel, torch_npu
-from torchtitan_npu.converters.ops.common import MODELS, MOE_MODELS
+from torchtitan_npu.converters.ops.common import DECODERS_03, MOE_MODELS
 from torchtitan_npu.converters.registry import Converter, Replacement, register
 
 
@@ -51,7 +51,7 @@ CONVERTER = register(
             Era.CONFIG_REGISTRY: (
                 Replacement(
                     "torchtitan.models.common.feed_forward:FeedForward",
-                    MODELS,
+                    DECODERS_03,
                     _swiglu,
                 ),
             ),

@@ -1,9 +1,10 @@
 """Qwen2 (Qwen2.5 family), injected into upstream torchtitan on every era.
 
-- args.py / model.py / parallelize.py: era-neutral model and parallelism;
-- trainspec.py: the 0.2.x TrainSpec (registered by the overlay);
-- config_registry.py: the 0.3.x BaseModel / ModelSpec / Trainer.Config
-  functions (`--module torchtitan_npu.models.qwen2`).
+- args.py: the flavors' shapes (both eras);
+- trainspec.py + model.py + parallelize.py: 0.2.x, titan-npu's own module as
+  a TrainSpec (registered by the overlay);
+- config_registry.py: 0.3.x, built from upstream's decoder parts: ModelSpec
+  and Trainer.Config functions (`--module torchtitan_npu.models.qwen2`).
 """
 
 from typing import Any

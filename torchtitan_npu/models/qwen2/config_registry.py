@@ -1,110 +1,124 @@
-"""Qwen2 on the config-registry era (torchtitan 0.3.x): the model as a
-``BaseModel`` with its ``Config``, ``model_registry`` -> ``ModelSpec``, and
-one ``Trainer.Config`` function per flavor (``qwen2_<flavor>``)."""
+"""Qwen2 on the config-registry era (torchtitan 0.3.x), built the upstream way.
+
+0.3.x builds decoders from configurable parts, and Qwen2 is one of them:
+upstream's Qwen3 decoder (pre-norm blocks, grouped-query attention, SwiGLU
+feed-forward, rotate-half RoPE) with biases on the q/k/v projections and no
+q/k norms. So the kernel converters, upstream's sharding (FSDP, TP, CP, DDP)
+and pipelining apply to it as to qwen3. The shapes come from ``FLAVORS``;
+``qwen2_<flavor>`` are the ``Trainer.Config`` functions.
+"""
 
 import copy
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-from torchtitan.components.loss import CrossEntropyLoss
+import torch.nn as nn
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.attention import QKVLinear
+from torchtitan.models.common.config_utils import (
+    decoder_vocab_size,
+    get_attention_config,
+    make_ffn_config,
+    make_gqa_config,
+)
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.common.param_init import skip_param_init
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
-from torchtitan.protocols.model import BaseModel
+from torchtitan.models.qwen3 import parallelize_qwen3
+from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
 from torchtitan.protocols.model_spec import ModelSpec
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.models.qwen2.args import FLAVORS, Qwen2ModelArgs
-from torchtitan_npu.models.qwen2.model import Qwen2Model
-from torchtitan_npu.models.qwen2.parallelize import parallelize_qwen2, plan_for
+
+_LINEAR_INIT: dict[str, Callable] = {
+    "weight": partial(nn.init.normal_, std=0.02),
+    "bias": nn.init.zeros_,
+}
+_NORM_INIT = {"weight": nn.init.ones_}
+_EMBEDDING_INIT = {"weight": partial(nn.init.normal_, std=0.02)}
+_TIED_EMBEDDING_INIT = {"weight": skip_param_init}  # the lm_head's init covers it
 
 
-class Qwen2(Qwen2Model, BaseModel):
-    """Qwen2Model as an upstream 0.3.x model (output head named lm_head)."""
-
-    HEAD = "lm_head"
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(BaseModel.Config):
-        args: Qwen2ModelArgs = field(default_factory=Qwen2ModelArgs)
-
-        @property
-        def layers(self) -> list:
-            """Per-layer placeholders: upstream's pipeline_llm counts them."""
-            return [None] * self.args.n_layers
-
-        def update_from_config(self, *, config, **kwargs) -> None:
-            seq_len = config.training.seq_len
-            self.args.max_seq_len = max(self.args.max_seq_len, seq_len)
-
-        def get_nparams_and_flops(self, model, seq_len: int) -> tuple[int, int]:
-            return self.args.nparams_and_flops(model, seq_len)
-
-    def __init__(self, config: Config):
-        Qwen2Model.__init__(self, config.args)
-        self.config = config
-
-    def verify_module_protocol(self) -> None:
-        """Submodules are plain torch modules by design (single-device
-        semantics, parallelized by parallelize.py), not upstream Modules."""
-
-    # pyrefly: ignore[bad-override]  # upstream's keyword-only protocol
-    def init_weights(self, **kwargs) -> None:
-        Qwen2Model.init_weights(self, kwargs.get("buffer_device"))
+def _norm(dim: int, eps: float) -> RMSNorm.Config:
+    return RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=_NORM_INIT)
 
 
-def parallelize(
-    model,
-    *,
-    parallel_dims,
-    training,
-    parallelism,
-    compile_config,
-    ac_config,
-    dump_folder,
-    skip_dp: bool = False,
-) -> Any:
-    ac_mode = "none"
-    if ac_config is not None:
-        ac_mode = "selective" if "Selective" in type(ac_config).__qualname__ else "full"
-        if "MemoryBudget" in type(ac_config).__qualname__:
-            raise ValueError("qwen2: memory-budget activation checkpointing")
-    plan = plan_for(
-        parallel_dims,
-        loss_parallel=False,  # 0.3.x computes the loss on replicated logits
-        ac_mode=ac_mode,
-        compile=compile_config.enable and "model" in compile_config.components,
-        training=training,
-        parallelism=parallelism,
-        sum_gradients=True,  # 0.3.x normalizes the loss by global tokens
+def _layer(args: Qwen2ModelArgs, attn_backend: str) -> Qwen3TransformerBlock.Config:
+    head_dim = args.head_dim
+    attention = make_gqa_config(
+        dim=args.dim,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        head_dim=head_dim,
+        wqkv_param_init=_LINEAR_INIT,
+        wo_param_init=_LINEAR_INIT,
+        inner_attention=get_attention_config(attn_backend),
+        rope=CosSinRoPE.Config(
+            dim=head_dim, max_seq_len=args.max_seq_len, theta=args.rope_theta
+        ),
     )
-    if skip_dp:
-        plan.dp_mesh = None
-    return parallelize_qwen2(model, plan)
+    qkv = attention.qkv_linear
+    assert isinstance(qkv, QKVLinear.Config)  # separate wq and wk/wv
+    qkv.wq.bias = qkv.wkv.bias = True  # Qwen2's q/k/v projections carry biases
+    return Qwen3TransformerBlock.Config(
+        attention_norm=_norm(args.dim, args.norm_eps),
+        ffn_norm=_norm(args.dim, args.norm_eps),
+        attention=attention,
+        feed_forward=make_ffn_config(
+            dim=args.dim,
+            hidden_dim=args.hidden_dim,
+            w1_param_init=_LINEAR_INIT,
+            w2w3_param_init=_LINEAR_INIT,
+        ),
+    )
 
 
-def model_registry(flavor: str) -> ModelSpec:
+def model_config(args: Qwen2ModelArgs, attn_backend: str = "flex") -> Any:
+    """The decoder config of a Qwen2 flavor."""
+    return Qwen3Model.Config(
+        vocab_size=args.vocab_size,
+        dim=args.dim,
+        norm=_norm(args.dim, args.norm_eps),
+        enable_weight_tying=args.tie_embeddings,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=args.vocab_size,
+            embedding_dim=args.dim,
+            param_init=_TIED_EMBEDDING_INIT if args.tie_embeddings else _EMBEDDING_INIT,
+        ),
+        lm_head=Linear.Config(
+            in_features=args.dim, out_features=args.vocab_size, param_init=_LINEAR_INIT
+        ),
+        layers=[_layer(args, attn_backend) for _ in range(args.n_layers)],
+    )
+
+
+def model_registry(flavor: str, attn_backend: str = "flex") -> ModelSpec:
     from torchtitan_npu.state_dict_adapters.upstream_adapter import adapter_class
 
     return ModelSpec(
         name="qwen2",
         flavor=flavor,
-        model=Qwen2.Config(args=copy.deepcopy(FLAVORS[flavor])),
-        parallelize_fn=parallelize,
+        model=model_config(copy.deepcopy(FLAVORS[flavor]), attn_backend),
+        parallelize_fn=parallelize_qwen3,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=None,
         state_dict_adapter=adapter_class("qwen2", Era.CONFIG_REGISTRY),
     )
 
 
-def _trainer_config(flavor: str):
+def _trainer_config(flavor: str) -> Any:
     """llama3's debug Trainer.Config (optimizer, scheduler, data, checkpoint)
-    with the Qwen2 model and a plain cross-entropy loss over its logits."""
+    with the Qwen2 model and its vocabulary."""
     config = llama3_debugmodel()
     config.model_spec = model_registry(flavor)
-    vocab = FLAVORS[flavor].vocab_size
-    config.loss = CrossEntropyLoss.Config(global_vocab_size=vocab)
-    # Plain torch model: DTensor only on the model-parallel axes.
-    config.parallelism.spmd_backend = "partial_dtensor"
+    loss = config.loss
+    assert isinstance(loss, ChunkedLossWrapper.Config)
+    assert isinstance(loss.loss_fn, CrossEntropyLoss.Config)
+    loss.loss_fn.global_vocab_size = decoder_vocab_size(config.model_spec)
     return config
 
 
