@@ -197,7 +197,7 @@ def matrix(session):
 # the slowest cell, 2.3 min: the default upstream's cp row covers the patch).
 CI_MATRIX = {
     DEFAULT: "single,ddp,fsdp,hsdp,tp,fsdp_tp,pp_1f1b,pp_fsdp,cp,fsdp_ac_selective,"
-    "qwen2_single,qwen2_fsdp,qwen2_tp,qwen2_pp_1f1b,converters_fsdp_tp",
+    "qwen2_single,qwen2_fsdp,qwen2_converters_fsdp,qwen2_pp_1f1b,converters_fsdp_tp",
     "0.2.2": "single,ddp,fsdp,tp,pp_1f1b,qwen2_fsdp,qwen2_pp_1f1b,converters_fsdp",
 }
 
