@@ -52,15 +52,13 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
 def test_config_registry_translation(upstream):
     from torchtitan.distributed.activation_checkpoint import FullAC
 
-    from torchtitan_npu.config.config_registry import translate as to_trainer_config
+    from torchtitan_npu.config.config_registry import translate
 
     config = load_toml(DEFAULT_CONFIG)
     config["training"]["dataset_path"] = "/data/corpus"
     config["activation_checkpoint"]["mode"] = "full"
     config["optimizer"]["lr"] = 1e-3
-    trainer = to_trainer_config(
-        config, version=upstream.installed.version, device_type="cpu"
-    )
+    trainer = translate(config, version=upstream.installed.version, device_type="cpu")
     assert trainer.training.steps == config["training"]["steps"]
     assert trainer.dataloader.dataset_path == "/data/corpus"
     assert trainer.dump_folder == config["job"]["dump_folder"]
@@ -82,13 +80,13 @@ def test_config_registry_translation(upstream):
     ],
 )
 def test_config_registry_rejects_what_it_cannot_honour(upstream, key, value, match):
-    from torchtitan_npu.config.config_registry import translate as to_trainer_config
+    from torchtitan_npu.config.config_registry import translate
     from torchtitan_npu.config.schema import apply_overrides
 
     config = load_toml(DEFAULT_CONFIG)
     apply_overrides(config, {key: value})
     with pytest.raises(ConfigError, match=match) as info:
-        to_trainer_config(config, version=upstream.installed.version, device_type="cpu")
+        translate(config, version=upstream.installed.version, device_type="cpu")
     assert "config_registry" in str(info.value)
 
 
@@ -97,9 +95,9 @@ def test_trainspec_translation(upstream):
     from torchtitan.config import JobConfig
 
     from torchtitan_npu.config.fields import has_path
-    from torchtitan_npu.config.trainspec import translate as to_job_config
+    from torchtitan_npu.config.trainspec import translate
 
-    job = to_job_config(load_toml(DEFAULT_CONFIG), version=upstream.installed.version)
+    job = translate(load_toml(DEFAULT_CONFIG), version=upstream.installed.version)
     assert job["training"]["steps"] == load_toml(DEFAULT_CONFIG)["training"]["steps"]
     # 0.2.2 has [debug]; 0.2.0 and 0.2.1 keep the seed under [training].
     seed_section = "debug" if has_path(JobConfig(), "debug.seed") else "training"
@@ -109,9 +107,9 @@ def test_trainspec_translation(upstream):
 
 @requires_era("trainspec")
 def test_trainspec_rejects_unknown_keys(upstream):
-    from torchtitan_npu.config.trainspec import translate as to_job_config
+    from torchtitan_npu.config.trainspec import translate
 
     config = load_toml(DEFAULT_CONFIG)
     config["parallelism"]["bogus_degree"] = 2
     with pytest.raises(ConfigError, match="'parallelism.bogus_degree'.*trainspec"):
-        to_job_config(config, version=upstream.installed.version)
+        translate(config, version=upstream.installed.version)

@@ -463,26 +463,26 @@ def test_train_config_translation(era, upstream):
     }
     version = upstream.installed.version
     if era == "trainspec":
-        from torchtitan_npu.config.trainspec import translate as to_job_config
+        from torchtitan_npu.config.trainspec import translate
 
-        job = to_job_config(config, version=version)
+        job = translate(config, version=version)
         assert job["model"]["converters"] == ["rms_norm", "rope"]
         config["model"]["converters"] = ["rms_norm", "nope"]
         with pytest.raises(ConverterError, match=r"'nope'.*'quantize.linear.float8'"):
-            to_job_config(config, version=version)
+            translate(config, version=version)
         return
     from torchtitan.models.common.nn_modules import RMSNorm
 
-    from torchtitan_npu.config.config_registry import translate as to_trainer_config
+    from torchtitan_npu.config.config_registry import translate
 
-    trainer = to_trainer_config(config, version=version, device_type="cpu")
+    trainer = translate(config, version=version, device_type="cpu")
     norms = list(trainer.model_spec.model.traverse(RMSNorm.Config))
     assert norms and all(
         type(n).__qualname__ == "RMSNorm_rms_norm.Config" for _, n, _, _ in norms
     )
     config["model"]["converters"] = ["nope"]
     with pytest.raises(ConverterError, match="unknown converter 'nope'"):
-        to_trainer_config(config, version=version, device_type="cpu")
+        translate(config, version=version, device_type="cpu")
 
 
 # --- training ----------------------------------------------------------------------
