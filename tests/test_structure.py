@@ -69,3 +69,28 @@ def test_every_user_error_lives_in_errors():
         and (node.name.endswith("Error") or node.name == "UpstreamNotInstalled")
     }
     assert defined and all(name.startswith("errors.py:") for name in defined), defined
+
+
+def test_public_functions_are_annotated():
+    """Module-level and class-level public functions annotate every parameter
+    (ruff's ANN201 checks their return types; nested closures are exempt)."""
+    missing = []
+
+    def visit(body, where: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                visit(node.body, f"{where}{node.name}.")
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            if node.name.startswith("_") and node.name != "__init__":
+                continue
+            arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            missing.extend(
+                f"{where}{node.name}({a.arg})"
+                for a in arguments
+                if a.annotation is None and a.arg not in ("self", "cls")
+            )
+
+    for path in sorted(PACKAGE.rglob("*.py")):
+        visit(ast.parse(path.read_text()).body, f"{path.relative_to(PACKAGE)}:")
+    assert not missing, missing

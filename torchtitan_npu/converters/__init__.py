@@ -21,7 +21,7 @@ from torchtitan_npu.converters.registry import (
 
 
 def apply_named(
-    target, names: list[str], *, era: Era, model_name: str, device_type: str
+    target: Any, names: list[str], *, era: Era, model_name: str, device_type: str
 ) -> tuple[Any, list[int]]:
     """Apply converters by name, in order, the era's way: to a built model
     (TrainSpec) or a model config (config registry). Returns (target, counts)."""

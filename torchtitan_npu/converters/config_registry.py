@@ -43,7 +43,7 @@ def converted_class(
 
 
 def apply_to_config(
-    model_config, converter: Converter, *, model_name: str, device_type: str
+    model_config: Any, converter: Converter, *, model_name: str, device_type: str
 ) -> tuple[Any, int]:
     """A converted copy of the config tree's matching nodes; returns (config, count)."""
     count = 0
@@ -67,7 +67,7 @@ def apply_to_config(
 
 
 def apply_named(
-    model_config, names: list[str], *, model_name: str, device_type: str
+    model_config: Any, names: list[str], *, model_name: str, device_type: str
 ) -> tuple[Any, list[int]]:
     """Apply converters by name, in order; returns (model_config, counts)."""
     counts = []
@@ -92,7 +92,7 @@ class KernelConverter(ModelConfigConverter):
     def __init__(self, config: Config):
         self.config = config
 
-    def convert(self, model_config) -> Any:
+    def convert(self, model_config: Any) -> Any:
         cfg = self.config
         model_config, _ = apply_to_config(
             model_config,
@@ -104,7 +104,7 @@ class KernelConverter(ModelConfigConverter):
 
 
 def apply(
-    trainer_config, value, *, model_name: str, device_type: str, version: str
+    trainer_config: Any, value: Any, *, model_name: str, device_type: str, version: str
 ) -> None:
     """Convert ``trainer_config``'s model with the named converters, in order."""
     names = parse_names(value)

@@ -38,7 +38,7 @@ def converted_class(
 
 
 def apply_to_module(
-    model, converter: Converter, *, model_name: str, device_type: str
+    model: Any, converter: Converter, *, model_name: str, device_type: str
 ) -> int:
     """Convert a built model in place; returns how many modules now use it."""
     count = 0
@@ -64,7 +64,7 @@ def apply_to_module(
 
 
 def apply_named(
-    model, names: list[str], *, model_name: str, device_type: str
+    model: Any, names: list[str], *, model_name: str, device_type: str
 ) -> tuple[Any, list[int]]:
     """Apply converters by name, in order; returns (model, counts)."""
     checked = check(names, era=ERA, model_name=model_name, version=running_version())
@@ -109,7 +109,7 @@ def model_converter_classes(device_type: str) -> dict[str, type]:
 
 
 def checked_names(
-    value, *, model_name: str, context_parallel: bool, version: str
+    value: Any, *, model_name: str, context_parallel: bool, version: str
 ) -> list[str]:
     """The job config's converter list; titan-npu's names checked for the model.
 

@@ -34,23 +34,23 @@ def device_count() -> int:
     return 1
 
 
-def set_device(device) -> None:
+def set_device(device: Any) -> None:
     """CPU has one device; nothing to select."""
 
 
-def synchronize(device=None) -> None:
+def synchronize(device: Any = None) -> None:
     """CPU ops are synchronous."""
 
 
-def get_device_name(device=None) -> str:
+def get_device_name(device: Any = None) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def get_device_properties(device=None) -> Any:
+def get_device_properties(device: Any = None) -> Any:
     return SimpleNamespace(name=get_device_name(), total_memory=_total_memory_bytes())
 
 
-def memory_stats(device=None) -> dict[str, int]:
+def memory_stats(device: Any = None) -> dict[str, int]:
     peak = _peak_rss_bytes()
     return {
         "active_bytes.all.peak": peak,
@@ -60,7 +60,7 @@ def memory_stats(device=None) -> dict[str, int]:
     }
 
 
-def reset_peak_memory_stats(device=None) -> None:
+def reset_peak_memory_stats(device: Any = None) -> None:
     """The process peak RSS cannot be reset; the stats stay cumulative."""
 
 

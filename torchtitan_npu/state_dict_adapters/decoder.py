@@ -9,7 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
-from torchtitan_npu.state_dict_adapters.mapping import IDENTITY, Rule, TensorInfo
+from torchtitan_npu.state_dict_adapters.mapping import (
+    IDENTITY,
+    Rule,
+    TensorInfo,
+    Transform,
+)
 
 # The output head's native name.
 LM_HEAD = {Era.TRAINSPEC: "output.weight", Era.CONFIG_REGISTRY: "lm_head.weight"}
@@ -20,8 +25,8 @@ QKV = {Era.TRAINSPEC: "attention.", Era.CONFIG_REGISTRY: "attention.qkv_linear."
 def dense_rules(
     era: Era,
     *,
-    q=IDENTITY,
-    k=IDENTITY,
+    q: Transform = IDENTITY,
+    k: Transform = IDENTITY,
     bias: bool = False,
     qk_norm: bool = False,
     qkv_prefix: str | None = None,

@@ -5,11 +5,12 @@ per expert in HF. RoPE dims stay interleaved on both sides (HF
 ``rope_interleave=True``), so no permutation.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.state_dict_adapters.decoder import LM_HEAD, mlp_rules, n_layers
-from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, Rule
+from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, Rule, TensorInfo
 
 # Routed-expert and bias names per era (0.3.x renamed them).
 _EXPERTS = {
@@ -26,7 +27,7 @@ _EXPERT_BIAS = {
 }
 
 
-def rules(era, hf_config) -> list[Rule]:
+def rules(era: Era, hf_config: Mapping[str, Any]) -> list[Rule]:
     hf, native = "model.layers.{layer}.", "layers.{layer}."
     attn = [
         ("q_proj", "wq"),
@@ -63,7 +64,7 @@ def rules(era, hf_config) -> list[Rule]:
     return out
 
 
-def hf_config(args, era, layout) -> dict[str, Any]:
+def hf_config(args: Any, era: Era, layout: Mapping[str, TensorInfo]) -> dict[str, Any]:
     a = _facts(args, era)
     vocab, dim = layout["tok_embeddings.weight"].shape
     w1 = _EXPERTS[era][0]

@@ -4,6 +4,7 @@ Native attention applies RoPE to interleaved pairs (complex multiply); HF
 rotates halves, so q/k rows are permuted per head.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
@@ -12,16 +13,21 @@ from torchtitan_npu.state_dict_adapters.decoder import (
     base_hf_config,
     dense_rules,
 )
-from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, Rule, rope_permute
+from torchtitan_npu.state_dict_adapters.mapping import (
+    ModelAdapter,
+    Rule,
+    TensorInfo,
+    rope_permute,
+)
 
 
-def rules(era, hf_config) -> list[Rule]:
+def rules(era: Era, hf_config: Mapping[str, Any]) -> list[Rule]:
     n_heads = hf_config["num_attention_heads"]
     n_kv = hf_config.get("num_key_value_heads") or n_heads
     return dense_rules(era, q=rope_permute(n_heads), k=rope_permute(n_kv))
 
 
-def hf_config(args, era, layout) -> dict[str, Any]:
+def hf_config(args: Any, era: Era, layout: Mapping[str, TensorInfo]) -> dict[str, Any]:
     facts = attention_facts(args, era)
     config = base_hf_config("LlamaForCausalLM", "llama", facts, layout)
     config.update(attention_bias=False, mlp_bias=False)

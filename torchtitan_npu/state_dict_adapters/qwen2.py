@@ -5,6 +5,7 @@ biases. On 0.2.x the model is titan-npu's own (``models/qwen2/model.py``); on
 0.3.x it is built from upstream's decoder parts, with upstream's names.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
@@ -13,10 +14,10 @@ from torchtitan_npu.state_dict_adapters.decoder import (
     dense_rules,
     n_layers,
 )
-from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, Rule
+from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, Rule, TensorInfo
 
 
-def rules(era: Era, hf_config) -> list[Rule]:
+def rules(era: Era, hf_config: Mapping[str, Any]) -> list[Rule]:
     return dense_rules(era, bias=True)
 
 
@@ -48,7 +49,7 @@ def _config_registry_shape(config: Any, layout) -> dict[str, Any]:
 _SHAPE = {Era.TRAINSPEC: _trainspec_shape, Era.CONFIG_REGISTRY: _config_registry_shape}
 
 
-def hf_config(args, era: Era, layout) -> dict[str, Any]:
+def hf_config(args: Any, era: Era, layout: Mapping[str, TensorInfo]) -> dict[str, Any]:
     vocab, dim = layout["tok_embeddings.weight"].shape
     return {
         "architectures": ["Qwen2ForCausalLM"],

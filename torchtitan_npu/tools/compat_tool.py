@@ -14,6 +14,7 @@ from torchtitan_npu.compat import (
     write_lock,
 )
 from torchtitan_npu.overlay import PatchContext, check, patches_for
+from torchtitan_npu.overlay.registry import PatchStatus
 from torchtitan_npu.tools.table import format_table
 
 
@@ -36,7 +37,7 @@ def _inspect_installed():
     return installed, entry, era, rows
 
 
-def status_table(rows, *, pending: str = "pending") -> str:
+def status_table(rows: list[PatchStatus], *, pending: str = "pending") -> str:
     """The records' table; ``pending`` names the state of verified records
     not applied yet (``compat check`` applies nothing)."""
     return format_table(

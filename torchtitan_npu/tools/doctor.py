@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.overlay.registry import PatchStatus
 
 CANN_HOME_ENVS = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
 
@@ -130,7 +131,7 @@ def run() -> int:
     return 0
 
 
-def manifest_table(rows) -> str:
+def manifest_table(rows: list[PatchStatus]) -> str:
     """Each patch of the running era: its upstream reference and removal condition."""
     return "\n".join(
         f"{r.patch.name}\n  upstream:    {r.patch.upstream_ref}\n"

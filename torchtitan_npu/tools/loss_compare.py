@@ -7,6 +7,7 @@ within the given tolerances. stdout's 5 printed digits are not enough to tell
 two runs apart; the event files hold the exact float32 values.
 """
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,7 +130,7 @@ def parse_steps(text: str | None) -> list[int] | None:
     return list(range(low, high + 1))
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     steps = parse_steps(args.steps)
     try:
         comparisons = compare_runs(

@@ -20,7 +20,13 @@ def _torch_npu_profiler():
     return torch_npu.profiler
 
 
-def profile(*, activities=None, schedule=None, on_trace_ready=None, **kwargs) -> Any:
+def profile(
+    *,
+    activities: Any = None,
+    schedule: Any = None,
+    on_trace_ready: Any = None,
+    **kwargs,
+) -> Any:
     """A torch_npu profiler recording CPU and NPU activity."""
     profiler = _torch_npu_profiler()
     return profiler.profile(
@@ -31,7 +37,15 @@ def profile(*, activities=None, schedule=None, on_trace_ready=None, **kwargs) ->
     )
 
 
-def schedule(*, wait, warmup, active, repeat=0, skip_first=0, skip_first_wait=0) -> Any:
+def schedule(
+    *,
+    wait: int,
+    warmup: int,
+    active: int,
+    repeat: int = 0,
+    skip_first: int = 0,
+    skip_first_wait: int = 0,
+) -> Any:
     """torch_npu's schedule; it has no ``skip_first_wait`` (ignored, with a warning)."""
     if skip_first_wait:
         logger.warning("torch_npu's profiler schedule has no skip_first_wait; ignored")

@@ -5,6 +5,7 @@ q, k, v: (batch, heads, seq, head_dim). mask None = causal, else a boolean
 """
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,15 @@ from torchtitan_npu.converters.ops.common import DECODERS_03, MODELS
 from torchtitan_npu.converters.registry import Converter, Replacement, register
 
 
-def native(q, k, v, *, mask, scale, enable_gqa) -> torch.Tensor:
+def native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
     return F.scaled_dot_product_attention(
         q,
         k,
@@ -39,7 +48,15 @@ def _npu_causal_mask(device: torch.device) -> torch.Tensor:
 
 
 @npu_kernel(native)
-def npu(q, k, v, *, mask, scale, enable_gqa) -> torch.Tensor:
+def npu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
     if mask is None:
         atten_mask, sparse_mode = _npu_causal_mask(q.device), 3
     else:  # torch_npu masks out where True
@@ -61,7 +78,7 @@ def npu(q, k, v, *, mask, scale, enable_gqa) -> torch.Tensor:
 _dense: tuple = (None, None)
 
 
-def dense_mask(block_mask) -> torch.Tensor:
+def dense_mask(block_mask: Any) -> torch.Tensor:
     """A BlockMask as a boolean (batch, heads, q, kv) tensor, True = attend."""
     global _dense
     if _dense[0] is not block_mask:

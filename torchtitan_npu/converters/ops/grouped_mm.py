@@ -28,7 +28,7 @@ def _has_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     return True
 
 
-def loop(a, b_t, offs) -> torch.Tensor:
+def loop(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The reference: one matmul per expert."""
     ends = offs.tolist()
     starts = [0, *ends[:-1]]
@@ -37,14 +37,14 @@ def loop(a, b_t, offs) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def native(a, b_t, offs) -> torch.Tensor:
+def native(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     if _has_grouped_mm(a.device.type, a.dtype):
         return torch._grouped_mm(a, b_t, offs=offs)
     return loop(a, b_t, offs)
 
 
 @npu_kernel(native)
-def npu(a, b_t, offs) -> torch.Tensor:
+def npu(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch_npu().npu_grouped_matmul(
         [a],
         [b_t],

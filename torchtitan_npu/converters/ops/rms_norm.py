@@ -1,5 +1,7 @@
 """rms_norm(x, normalized_shape, weight, eps): RMSNorm layers."""
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -9,12 +11,22 @@ from torchtitan_npu.converters.ops.common import DECODERS_03, MODELS
 from torchtitan_npu.converters.registry import Converter, Replacement, register
 
 
-def native(x, normalized_shape, weight, eps) -> torch.Tensor:
+def native(
+    x: torch.Tensor,
+    normalized_shape: Any,
+    weight: torch.Tensor | None,
+    eps: float | None,
+) -> torch.Tensor:
     return F.rms_norm(x, normalized_shape, weight, eps)
 
 
 @npu_kernel(native)
-def npu(x, normalized_shape, weight, eps) -> torch.Tensor:
+def npu(
+    x: torch.Tensor,
+    normalized_shape: Any,
+    weight: torch.Tensor | None,
+    eps: float | None,
+) -> torch.Tensor:
     if weight is None:
         weight = x.new_ones(normalized_shape)
     if eps is None:  # nn.RMSNorm's default: the dtype's machine epsilon

@@ -21,12 +21,16 @@ def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def native(x, cos, sin, interleaved) -> torch.Tensor:
+def native(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
     return x * cos + _rotate(x, interleaved) * sin
 
 
 @npu_kernel(native)
-def npu(x, cos, sin, interleaved) -> torch.Tensor:
+def npu(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
     mode = "interleave" if interleaved else "half"
     return torch_npu().npu_rotary_mul(x, cos, sin, rotary_mode=mode)
 

@@ -9,12 +9,12 @@ from torchtitan_npu.converters.ops.common import DECODERS_03, MOE_MODELS
 from torchtitan_npu.converters.registry import Converter, Replacement, register
 
 
-def native(gate, up) -> torch.Tensor:
+def native(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
 @npu_kernel(native)
-def npu(gate, up) -> torch.Tensor:
+def npu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch_npu().npu_swiglu(torch.cat((gate, up), dim=-1), dim=-1)
 
 

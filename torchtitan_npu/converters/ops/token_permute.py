@@ -24,7 +24,9 @@ class TokenPermute(NamedTuple):
     unpermute: Callable
 
 
-def permute_native(tokens, expert_ids) -> tuple[torch.Tensor, torch.Tensor]:
+def permute_native(
+    tokens: torch.Tensor, expert_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     top_k = expert_ids.shape[-1] if expert_ids.dim() == 2 else 1
     order = torch.argsort(expert_ids.reshape(-1), stable=True)
     rows = torch.empty_like(order)
@@ -33,7 +35,9 @@ def permute_native(tokens, expert_ids) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[order // top_k], rows.to(torch.int32)
 
 
-def unpermute_native(routed, rows, probs) -> torch.Tensor:
+def unpermute_native(
+    routed: torch.Tensor, rows: torch.Tensor, probs: torch.Tensor
+) -> torch.Tensor:
     num_tokens, top_k = probs.shape
     # each token's routes in row (= expert) order: upstream's summation order
     token_rows, order = rows.view(num_tokens, top_k).sort(dim=1)
@@ -49,12 +53,16 @@ def unpermute_native(routed, rows, probs) -> torch.Tensor:
 
 
 @npu_kernel(permute_native)
-def permute_npu(tokens, expert_ids) -> tuple[torch.Tensor, torch.Tensor]:
+def permute_npu(
+    tokens: torch.Tensor, expert_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return torch_npu().npu_moe_token_permute(tokens, expert_ids)
 
 
 @npu_kernel(unpermute_native)
-def unpermute_npu(routed, rows, probs) -> torch.Tensor:
+def unpermute_npu(
+    routed: torch.Tensor, rows: torch.Tensor, probs: torch.Tensor
+) -> torch.Tensor:
     # the kernel weights in the tokens' dtype (bf16 on some CANN releases)
     return torch_npu().npu_moe_token_unpermute(routed, rows, probs.to(routed.dtype))
 

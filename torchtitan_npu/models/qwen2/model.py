@@ -3,6 +3,8 @@ optionally tied embeddings. Single-device semantics: parallelism is applied
 from outside (parallelize.py); layers are a ModuleDict so pipeline stages
 keep stable FQNs; the input/output modules may be None on a PP stage."""
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ import torch.nn.functional as F
 from torchtitan_npu.models.qwen2.args import Qwen2ModelArgs
 
 
-def rope_cache(args: Qwen2ModelArgs, device=None) -> torch.Tensor:
+def rope_cache(args: Qwen2ModelArgs, device: Any = None) -> torch.Tensor:
     """cos/sin of every position, (max_seq_len, 2, head_dim) in fp32."""
     half = args.head_dim // 2
     inv_freq = 1.0 / args.rope_theta ** (

@@ -56,14 +56,14 @@ def _mesh(parallel_dims, names: list[str]):
 
 
 def plan_for(
-    parallel_dims,
+    parallel_dims: Any,
     *,
-    loss_parallel,
-    ac_mode,
-    compile,
-    training,
-    parallelism,
-    sum_gradients,
+    loss_parallel: bool,
+    ac_mode: str,
+    compile: bool,
+    training: Any,
+    parallelism: Any,
+    sum_gradients: bool,
 ) -> Plan:
     """A `Plan` from either era's parallel dims and config sections."""
     from torchtitan.config import TORCH_DTYPE_MAP

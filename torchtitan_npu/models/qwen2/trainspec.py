@@ -15,14 +15,14 @@ from torchtitan_npu.models.qwen2.parallelize import parallelize_qwen2, plan_for
 
 @dataclass
 class Qwen2Args(Qwen2ModelArgs, BaseModelArgs):
-    def update_from_config(self, job_config, **kwargs) -> None:
+    def update_from_config(self, job_config: Any, **kwargs) -> None:
         self.max_seq_len = max(self.max_seq_len, job_config.training.seq_len)
 
-    def get_nparams_and_flops(self, model, seq_len: int) -> tuple[int, int]:
+    def get_nparams_and_flops(self, model: Any, seq_len: int) -> tuple[int, int]:
         return self.nparams_and_flops(model, seq_len)
 
 
-def parallelize(model: Qwen2Model, parallel_dims, job_config) -> Qwen2Model:
+def parallelize(model: Qwen2Model, parallel_dims: Any, job_config: Any) -> Qwen2Model:
     compile_config = job_config.compile
     plan = plan_for(
         parallel_dims,
