@@ -156,18 +156,20 @@ def resolve_target(spec: str) -> Target:
 def fingerprint(obj: Any) -> str:
     """sha256 (16 hex) of the dedented source of a function, method or class.
 
-    Cached per source file, keyed by its size and mtime (as .pyc files are):
+    Cached per source file, keyed by a hash of the file's bytes (not its
+    mtime: reproducible wheels give every release the same timestamps):
     finding a class's source parses its whole file, which made activation
     2-3 times slower."""
+    import hashlib
     import inspect
 
     func = obj.__func__ if isinstance(obj, staticmethod | classmethod) else obj
     path = inspect.getsourcefile(func)
     if path is None:
         return _source_fingerprint(func)
-    stat = os.stat(path)
-    entry = _FINGERPRINTS.setdefault(path, {"stamp": [], "objects": {}})
-    stamp = [stat.st_size, stat.st_mtime_ns]
+    with open(path, "rb") as f:
+        stamp = hashlib.sha256(f.read()).hexdigest()
+    entry = _FINGERPRINTS.setdefault(path, {"stamp": "", "objects": {}})
     if entry["stamp"] != stamp:
         entry["stamp"], entry["objects"] = stamp, {}
     name = f"{func.__module__}:{func.__qualname__}"
