@@ -336,3 +336,21 @@ def test_fingerprint_cache_follows_the_source_file(tmp_path, monkeypatch):
     assert second == registry._source_fingerprint(
         sys.modules["drifting_upstream"].target
     )
+
+
+def test_fingerprint_of_a_wrapped_function_is_its_source(tmp_path, monkeypatch):
+    """functools.cache / wraps targets (0.2.0's get_peak_flops) hash their
+    wrapped function's source."""
+    import importlib
+    import sys
+
+    from torchtitan_npu.overlay import registry
+
+    monkeypatch.setenv("TITAN_NPU_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "cached_upstream.py").write_text(
+        "import functools\n\n\n@functools.cache\ndef target():\n    return 1\n"
+    )
+    module = importlib.import_module("cached_upstream")
+    assert fingerprint(module.target) == registry._source_fingerprint(module.target)
+    del sys.modules["cached_upstream"]

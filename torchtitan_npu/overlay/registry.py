@@ -164,6 +164,7 @@ def fingerprint(obj: Any) -> str:
     import inspect
 
     func = obj.__func__ if isinstance(obj, staticmethod | classmethod) else obj
+    func = inspect.unwrap(func)  # functools.cache / wraps: the source is the wrapped
     path = inspect.getsourcefile(func)
     if path is None:
         return _source_fingerprint(func)
