@@ -50,10 +50,14 @@ def apply_to_config(
     for replacement in converter.for_model(ERA, model_name, running_version()):
         cls = resolve_target(replacement.target).obj
         converted = converted_class(cls, replacement, converter.name, device_type)
-        for _, node, parent, attr in list(model_config.traverse(cls.Config)):
-            if type(node) is not cls.Config:
-                continue
+        nodes = [
+            (node, parent, attr)
+            for _, node, parent, attr in model_config.traverse(cls.Config)
+            if type(node) is cls.Config
+        ]
+        if nodes:
             request(converter, replacement, device_type)
+        for node, parent, attr in nodes:
             new = derive(node, converted.Config)
             if parent is None:
                 model_config = new

@@ -54,11 +54,12 @@ def apply_to_module(
         converted = converted_class(
             target.obj, replacement, converter.name, device_type
         )
-        for module in model.modules():
-            if type(module) is target.obj:
-                module.__class__ = converted
-                request(converter, replacement, device_type)
-                count += 1
+        matching = [m for m in model.modules() if type(m) is target.obj]
+        if matching:
+            request(converter, replacement, device_type)
+        for module in matching:
+            module.__class__ = converted
+        count += len(matching)
     report(converter, model_name, count)
     return count
 
