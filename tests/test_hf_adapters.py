@@ -271,9 +271,13 @@ def test_bad_hf_input_is_a_clear_error(case, llama_hf, tmp_path):
 def test_wrong_model_unreadable_path_and_existing_output(llama_hf, tmp_path):
     with pytest.raises(ConversionError, match="no HF adapter; known"):
         convert.from_hf(llama_hf, tmp_path / "a", "llama9")
-    with pytest.raises(ConversionError, match="not a directory"):
+    with pytest.raises(ConversionError, match="does not exist"):
         convert.from_hf(tmp_path / "nowhere", tmp_path / "b", "llama3")
-    with pytest.raises(ConversionError, match="model_type=.llama., qwen3"):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConversionError, match="not a directory"):
+        convert.from_hf(tmp_path / "file", tmp_path / "b", "llama3")
+    (tmp_path / "file").unlink()
+    with pytest.raises(ConversionError, match="'llama' is not a qwen3 checkpoint"):
         convert.from_hf(llama_hf, tmp_path / "c", "qwen3", FLAVOR)
     with pytest.raises(ConversionError, match="not a DCP"):
         convert.to_hf(llama_hf, tmp_path / "d", "llama3")

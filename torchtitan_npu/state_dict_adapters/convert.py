@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from torchtitan_npu.compat.era import Era
-from torchtitan_npu.state_dict_adapters import get_adapter
+from torchtitan_npu.state_dict_adapters import architecture, get_adapter
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 from torchtitan_npu.state_dict_adapters.mapping import (
     TRAINING_STATE_PREFIXES,
@@ -87,17 +87,10 @@ def from_hf(
     if source.config is None:
         raise ConversionError(f"HF checkpoint {hf_dir}", ["config.json missing"])
     if args is None:
-        flavor, args = _flavor_for_hf(model, flavor, source.config, era)
+        flavor, args = architecture.resolve(model, flavor, source.config, era)
     expected, tied = um.describe(model, args, era)
     native_config = adapter.hf_config(args, era, expected)
     native_config["tie_word_embeddings"] = tied
-    mismatched = [
-        f"config.json {k}={v!r}, {model} {flavor or ''} has {native_config[k]!r}"
-        for k, v in _arch(source.config).items()
-        if k in native_config and native_config[k] != v
-    ]
-    if mismatched:
-        raise ConversionError(f"HF checkpoint {hf_dir}", mismatched)
     keymap = adapter.keymap(era, native_config)
     groups = {g.native: g for g in keymap.plan_from_hf(source.infos, expected)}
     layout = {
@@ -115,7 +108,7 @@ def from_hf(
     start = time.perf_counter()
     with atomic_dir(out) as tmp:
         write_native(tmp, layout, make)
-        _provenance(tmp, model, flavor, era, hf_dir)
+        _provenance(tmp, model, flavor, era, hf_dir, source.config)
     bar.done()
     nbytes = sum(i.nbytes for i in layout.values())
     return Result(Path(out), flavor, len(layout), nbytes, time.perf_counter() - start)
@@ -130,12 +123,15 @@ def to_hf(
     dtype: torch.dtype | None = None,
     max_shard_size: str | int = "5GB",
     tokenizer: str | Path | None = None,
+    hf_config: str | Path | None = None,
     era: Era | None = None,
     args: Any = None,
     progress: bool = True,
 ) -> Result:
     """A DCP checkpoint (training or from-hf) -> HF safetensors + index +
-    config.json that transformers' from_pretrained loads."""
+    config.json that transformers' from_pretrained loads. A checkpoint of a
+    flavor derived from config.json (``hf``) finds that config.json itself
+    (from-hf's provenance, the training run's config) or takes `hf_config`."""
     era = era or current_era()
     adapter = get_adapter(model)
     source = NativeCheckpoint(checkpoint)
@@ -144,13 +140,20 @@ def to_hf(
         for k, v in source.layout.items()
         if not k.startswith(TRAINING_STATE_PREFIXES)
     }
+    if tokenizer is not None:
+        _tokenizer_files(Path(tokenizer))  # before anything is written
+    source_config, derived = _source_config(Path(checkpoint), hf_config)
     if args is None:
-        flavor, args = _flavor_for_native(model, flavor, model_keys, era)
+        recorded = source_config if derived else None
+        flavor, args = _flavor_for_native(model, flavor, model_keys, era, recorded)
     expected, tied = um.describe(model, args, era)
     problems = compare_layouts(model_keys, expected, "model")
     if problems:
-        raise ConversionError(f"native checkpoint {checkpoint}", problems)
-    config = adapter.hf_config(args, era, expected)
+        raise ConversionError(
+            f"native checkpoint {checkpoint} vs {model} {flavor}", problems
+        )
+    config = _carried_fields(source_config)
+    config.update(adapter.hf_config(args, era, expected))
     config["tie_word_embeddings"] = tied
     groups = adapter.keymap(era, config).plan_to_hf(model_keys, tied=tied)
     first = next(iter(model_keys.values()))
@@ -187,73 +190,97 @@ def to_hf(
     return Result(Path(out), flavor, len(plan), total, time.perf_counter() - start)
 
 
-def _flavor_for_hf(model, flavor, config, era):
-    adapter = get_adapter(model)
+def _flavor_for_native(model, flavor, layout, era, recorded):
+    """(flavor, args) of a native checkpoint; `recorded` is the config.json of
+    the HF architecture it was derived from, if any."""
+    if flavor == architecture.HF_FLAVOR or (flavor is None and recorded):
+        if recorded is None:
+            raise ConversionError(
+                f"--flavor {flavor}",
+                ["the checkpoint records no HF config.json; pass --hf-config HF_DIR"],
+            )
+        return architecture.HF_FLAVOR, architecture.derive(model, recorded, era)
     if flavor is not None:
         return flavor, um.model_args(model, flavor, era)
-    arch = _arch(config)
-    candidates = {}
+    closest: tuple[int, str, list[str]] | None = None
     for name, args in um.flavors(model, era).items():
-        layout = um.native_layout(model, args, era)
-        if _arch(adapter.hf_config(args, era, layout)) == arch:
-            candidates[name] = args
-    if not candidates:
-        raise ConversionError(
-            f"{model} from config.json",
-            [
-                f"no {model} flavor has this architecture ({arch}); "
-                "pass --flavor or register a flavor with these shapes"
-            ],
-        )
-    name = next(iter(candidates))
-    return name, candidates[name]
-
-
-def _flavor_for_native(model, flavor, layout, era):
-    if flavor is not None:
-        return flavor, um.model_args(model, flavor, era)
-    for name, args in um.flavors(model, era).items():
-        if not compare_layouts(layout, um.native_layout(model, args, era), "model"):
+        problems = compare_layouts(layout, um.native_layout(model, args, era), "model")
+        if not problems:
             return name, args
+        if closest is None or len(problems) < closest[0]:
+            closest = (len(problems), name, problems)
+    hint = (
+        "pass --flavor, or --hf-config HF_DIR for a checkpoint of an architecture "
+        "derived from config.json"
+    )
+    if closest is None:
+        raise ConversionError(f"{model} checkpoint", [f"no {model} flavors; {hint}"])
+    _, name, problems = closest
     raise ConversionError(
-        f"{model} checkpoint", ["no flavor has these tensor shapes; pass --flavor"]
+        f"{model} checkpoint: no flavor has these tensors; the closest, {name}, "
+        f"differs in",
+        [*problems, hint],
     )
 
 
-# config.json fields that decide the architecture (weights + numerics). Tying
-# is not one: a tied HF checkpoint imports into an untied model exactly.
-_ARCH_FIELDS = (
-    "model_type",
-    "hidden_size",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "n_routed_experts",
-    "n_shared_experts",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "rope_theta",
-)
+def _source_config(checkpoint: Path, hf_config) -> tuple[dict | None, bool]:
+    """(config.json the checkpoint came from, whether its architecture was
+    derived from it): --hf-config, the provenance from-hf wrote, or the run it
+    was trained by (``titan_npu_config.json`` of a run above it)."""
+    if hf_config is not None:
+        return architecture.read_config(hf_config), True
+    if (checkpoint / PROVENANCE).is_file():
+        record = _read_json_file(checkpoint / PROVENANCE)
+        return record.get("hf_config"), record.get("flavor") == architecture.HF_FLAVOR
+    for parent in list(checkpoint.resolve().parents)[:3]:
+        run = parent / "titan_npu_config.json"
+        if run.is_file():
+            settings = _read_json_file(run).get("model", {})
+            if settings.get("flavor") == architecture.HF_FLAVOR:
+                return architecture.read_config(settings["hf_assets_path"]), True
+            break
+    return None, False
 
 
-def _arch(config: dict) -> dict:
-    return {k: config.get(k) for k in _ARCH_FIELDS if config.get(k) is not None}
+def _read_json_file(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{path}", [f"unreadable ({e})"]) from e
+    return found if isinstance(found, dict) else {}
+
+
+def _carried_fields(source: dict | None) -> dict:
+    """The source config.json's fields that describe no computation (token ids,
+    position limit), kept in an export of a model derived from it."""
+    if source is None:
+        return {}
+    skip = {"architectures", "model_type", "torch_dtype", "dtype"}
+    skip.add("transformers_version")
+    return {
+        k: v for k, v in source.items() if k in architecture.INERT and k not in skip
+    }
+
+
+def _tokenizer_files(src: Path) -> list[Path]:
+    found = [src / f for f in TOKENIZER_FILES if (src / f).is_file()]
+    if not found:
+        where = "is not a directory" if not src.is_dir() else "has no tokenizer files"
+        raise ConversionError(
+            f"--tokenizer {src}", [f"{where} (looked for {', '.join(TOKENIZER_FILES)})"]
+        )
+    return found
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:
-    found = [src / f for f in TOKENIZER_FILES if (src / f).is_file()]
-    if not found:
-        raise ConversionError(f"--tokenizer {src}", ["no tokenizer files found"])
-    for f in found:
+    for f in _tokenizer_files(src):
         shutil.copy2(f, dst / f.name)
 
 
-def _provenance(out: Path, model, flavor, era, source) -> None:
+def _provenance(out: Path, model, flavor, era, source, hf_config=None) -> None:
     record = {"model": model, "flavor": flavor, "era": era, "source": str(source)}
+    if hf_config is not None:
+        record["hf_config"] = hf_config
     (out / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
 
 

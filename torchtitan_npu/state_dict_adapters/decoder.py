@@ -161,3 +161,71 @@ def base_hf_config(
     if ffn is not None:
         config["intermediate_size"] = ffn.shape[0]
     return config
+
+
+# -- config.json -> native (architecture.derive) ------------------------------
+
+# config.json fields a decoder cannot do without.
+REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+)
+# HF decoder config classes' defaults for fields config.json may omit.
+HF_DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": None,  # = num_attention_heads
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "rope_scaling": None,
+}
+
+
+def _no_sliding_window(value: Any, config: Mapping[str, Any]) -> bool:
+    return not config.get("use_sliding_window")
+
+
+# Fields whose value (given the config) changes nothing the native model does.
+NEUTRAL = {
+    "attention_dropout": lambda value, _: value == 0,
+    "use_sliding_window": lambda value, _: value is False,
+    "sliding_window": _no_sliding_window,
+    "max_window_layers": _no_sliding_window,
+    "layer_types": lambda value, _: all(t == "full_attention" for t in value),
+}
+
+
+def is_moe(config: Any) -> bool:
+    """A 0.3.x decoder config with MoE layers."""
+    return any(getattr(layer, "moe", None) for layer in config.layers)
+
+
+def retarget(model: str, hf: Mapping[str, Any], *, moe: bool = False) -> Any:
+    """A copy of a registered 0.3.x flavor with config.json's tying (and MoE
+    or not), its embedding, final norm and head resized to config.json's.
+    The caller builds the layers."""
+    from torchtitan_npu.state_dict_adapters.architecture import template
+
+    tied = bool(hf["tie_word_embeddings"])
+    config = template(
+        model,
+        Era.CONFIG_REGISTRY,
+        lambda c: bool(c.enable_weight_tying) == tied and is_moe(c) == moe,
+    )
+    dim, vocab = hf["hidden_size"], hf["vocab_size"]
+    config.dim, config.vocab_size = dim, vocab
+    config.tok_embeddings.num_embeddings = vocab
+    config.tok_embeddings.embedding_dim = dim
+    config.norm.normalized_shape = dim
+    config.lm_head.in_features, config.lm_head.out_features = dim, vocab
+    return config
+
+
+def set_norm_eps(config: Any, eps: float) -> None:
+    """Every RMSNorm of a 0.3.x model config gets config.json's epsilon."""
+    from torchtitan.models.common.nn_modules import RMSNorm
+
+    for _, norm, _, _ in config.traverse(RMSNorm.Config):
+        norm.eps = eps

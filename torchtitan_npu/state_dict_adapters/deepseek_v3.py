@@ -94,6 +94,7 @@ def hf_config(args: Any, era: Era, layout: Mapping[str, TensorInfo]) -> dict[str
         "kv_lora_rank": a["kv_lora_rank"],
         "qk_nope_head_dim": a["qk_nope_head_dim"],
         "qk_rope_head_dim": a["qk_rope_head_dim"],
+        "head_dim": a["qk_rope_head_dim"],  # what transformers' config sets
         "v_head_dim": a["v_head_dim"],
         "rms_norm_eps": a["norm_eps"],
         "rope_theta": a["rope_theta"],
@@ -185,4 +186,29 @@ def _config_registry_facts(args):
 
 _FACTS = {Era.TRAINSPEC: _trainspec_facts, Era.CONFIG_REGISTRY: _config_registry_facts}
 
-ADAPTER = ModelAdapter("deepseek_v3", "DeepseekV3ForCausalLM", rules, hf_config)
+ADAPTER = ModelAdapter(
+    "deepseek_v3",
+    "DeepseekV3ForCausalLM",
+    rules,
+    hf_config,
+    model_types=("deepseek_v3",),
+    hf_defaults={
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "rope_scaling": None,
+        "rope_interleave": True,
+        "attention_bias": False,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "norm_topk_prob": True,
+    },
+    neutral={
+        "attention_dropout": lambda value, _: value == 0,
+        "pretraining_tp": lambda value, _: value == 1,
+        "moe_layer_freq": lambda value, _: value == 1,
+        # what HF's DeepseekV3 always does
+        "scoring_func": lambda value, _: value == "sigmoid",
+        "topk_method": lambda value, _: value == "noaux_tc",
+        "num_nextn_predict_layers": lambda value, _: value == 0,
+    },
+)

@@ -280,12 +280,26 @@ class ModelAdapter:
     rules(era, hf_config) -> the mapping for that era (hf_config gives the
     head counts transforms need); hf_config(args, era, layout) -> the HF
     config.json of an upstream model config/args and its native layout.
+
+    The way back (``architecture.derive``): config.json's ``model_type`` is
+    one of `model_types`; `hf_defaults` are the HF config class's values of
+    fields config.json may omit; `required` the fields it may not; each
+    `neutral[field](value, config)` says the value changes nothing; and
+    ``native_args[era](config, problems)`` builds the upstream args / config,
+    appending what it cannot map to `problems`.
     """
 
     name: str
     hf_architecture: str
     rules: Callable[[Era, Mapping], list[Rule]]
     hf_config: Callable[[Any, Era, Mapping[str, TensorInfo]], dict]
+    model_types: tuple[str, ...] = ()
+    hf_defaults: Mapping[str, Any] = field(default_factory=dict)
+    required: tuple[str, ...] = ()
+    neutral: Mapping[str, Callable[[Any, Mapping], bool]] = field(default_factory=dict)
+    native_args: Mapping[Era, Callable[[Mapping, list[str]], Any]] = field(
+        default_factory=dict
+    )
 
     def keymap(self, era: Era, hf_config: Mapping) -> KeyMap:
         return KeyMap(self.rules(era, hf_config))

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.state_dict_adapters import decoder
 from torchtitan_npu.state_dict_adapters.decoder import (
     attention_facts,
     dense_rules,
@@ -65,4 +66,54 @@ def hf_config(args: Any, era: Era, layout: Mapping[str, TensorInfo]) -> dict[str
     }
 
 
-ADAPTER = ModelAdapter("qwen2", "Qwen2ForCausalLM", rules, hf_config)
+def _qwen2_args(hf: Mapping[str, Any]) -> Any:
+    from torchtitan_npu.models.qwen2.args import Qwen2ModelArgs
+
+    return Qwen2ModelArgs(
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf["num_key_value_heads"],
+        vocab_size=hf["vocab_size"],
+        hidden_dim=hf["intermediate_size"],
+        norm_eps=hf["rms_norm_eps"],
+        rope_theta=float(hf["rope_theta"]),
+        max_seq_len=hf["max_position_embeddings"],
+        tie_embeddings=bool(hf["tie_word_embeddings"]),
+    )
+
+
+def _trainspec_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
+    import dataclasses
+
+    from torchtitan_npu.models.qwen2.trainspec import Qwen2Args
+
+    return Qwen2Args(**dataclasses.asdict(_qwen2_args(hf)))
+
+
+def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
+    from torchtitan_npu.models.qwen2.config_registry import model_config
+
+    return model_config(_qwen2_args(hf))
+
+
+ADAPTER = ModelAdapter(
+    "qwen2",
+    "Qwen2ForCausalLM",
+    rules,
+    hf_config,
+    model_types=("qwen2",),
+    hf_defaults={
+        **decoder.HF_DEFAULTS,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+    },
+    required=decoder.REQUIRED,
+    neutral=decoder.NEUTRAL,
+    native_args={
+        Era.TRAINSPEC: _trainspec_args,
+        Era.CONFIG_REGISTRY: _config_registry_args,
+    },
+)

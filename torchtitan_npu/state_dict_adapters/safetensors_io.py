@@ -46,7 +46,8 @@ class HFCheckpoint:
         self.path = Path(path)
         problems: list[str] = []
         if not self.path.is_dir():
-            raise ConversionError(f"HF checkpoint {self.path}", ["not a directory"])
+            why = "not a directory" if self.path.exists() else "does not exist"
+            raise ConversionError(f"HF checkpoint {self.path}", [why])
         self.config = _read_json(self.path / CONFIG, problems, required=False)
         files = sorted(self.path.glob("*.safetensors"))
         index = _read_json(self.path / INDEX, problems, required=False)
