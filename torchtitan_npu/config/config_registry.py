@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.config import hf_model
 from torchtitan_npu.config.fields import (
     MISSING,
     expected,
@@ -41,7 +42,14 @@ _OPTIMIZER_KWARGS = {"lr", "eps", "weight_decay"}
 
 
 def base_config(name: str, flavor: str) -> Any:
-    """Upstream's (or an injected model's) config function for name + flavor."""
+    """Upstream's (or an injected model's) config function for name + flavor;
+    for flavor ``hf``, the debug flavor's with the model derived from
+    config.json (``config/hf_model.py``)."""
+    from torchtitan_npu.state_dict_adapters import architecture
+
+    derived = architecture.runtime_flavors(name, ERA).get(flavor)
+    if derived is not None:
+        return _with_model(base_config(name, "debugmodel"), derived, flavor)
     registry = find_model_module(name, ERA.value)  # the era is named after it
     if registry is None:
         raise ConfigError(
@@ -62,6 +70,19 @@ def base_config(name: str, flavor: str) -> Any:
             f"known flavors: {available}"
         )
     return function()
+
+
+def _with_model(trainer_config: Any, model: Any, flavor: str) -> Any:
+    """A Trainer.Config whose model spec builds `model` (and whose loss knows
+    its vocabulary)."""
+    import dataclasses
+
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+
+    spec = dataclasses.replace(trainer_config.model_spec, flavor=flavor, model=model)
+    trainer_config.model_spec = spec
+    trainer_config.loss.loss_fn.global_vocab_size = decoder_vocab_size(spec)
+    return trainer_config
 
 
 def known_models() -> list[str]:
@@ -101,6 +122,7 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
     for the model and flavor, every key set on it (renamed, type-checked),
     then the converters. Raises ConfigError naming the key."""
     model = config.get("model", {})
+    hf_model.register(config, ERA)
     trainer_config = base_config(model["name"], model["flavor"])
     if device_type != "cuda" and has_path(
         trainer_config, "training.disable_cuda_graphs"

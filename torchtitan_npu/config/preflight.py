@@ -9,6 +9,7 @@ that the CLI prints as one line.
 from pathlib import Path
 from typing import Any
 
+from torchtitan_npu.config import hf_model
 from torchtitan_npu.config.schema import ConfigError
 
 # [parallelism] key -> upstream's default (-1: "the rest of the processes")
@@ -76,6 +77,7 @@ def check(config: dict[str, Any], *, world_size: int | None, launch: str) -> Non
     """Every check that needs no rank: layout, paths, then the era translation."""
     check_layout(config, world_size, launch)
     absolute_paths(config)
+    hf_model.prepare(config)
     from torchtitan_npu.bootstrap import activate
     from torchtitan_npu.config import era_config
     from torchtitan_npu.tools.log_noise import quiet_upstream_noise

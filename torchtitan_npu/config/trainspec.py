@@ -9,6 +9,7 @@ import tempfile
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.config import hf_model
 from torchtitan_npu.config.fields import expected, field_type, has_path
 from torchtitan_npu.config.schema import ConfigError, flatten, wrong_type
 
@@ -47,6 +48,7 @@ def translate(
     # pyrefly: ignore[missing-module-attribute]  # 0.2.x only
     from torchtitan.config import JobConfig
 
+    hf_model.register(config, ERA)
     defaults = JobConfig()
     out: dict[str, Any] = {}
     flat = flatten(config)

@@ -2,7 +2,13 @@
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.overlay.common import eager_flex_attention, skip_unless_cpu
-from torchtitan_npu.overlay.registry import Change, Patch, PatchContext, Target
+from torchtitan_npu.overlay.registry import (
+    Change,
+    Patch,
+    PatchContext,
+    Target,
+    no_change,
+)
 
 
 def _apply_eager_flex(target: Target, ctx: PatchContext) -> list[Change]:
@@ -93,4 +99,28 @@ def _hf_adapter(model: str) -> Patch:
 
 HF_ADAPTERS = [_hf_adapter(m) for m in ("llama3", "qwen3", "deepseek_v3")]
 
-PATCHES = [EAGER_FLEX_ATTENTION, *HF_ADAPTERS]
+
+def _architecture_builder(model: str, name: str) -> Patch:
+    return Patch(
+        name=f"{model}{name}",
+        target=f"torchtitan.models.{model}:{name}",
+        kind="depend",
+        reason=(
+            "a flavor derived from a HF config.json (state_dict_adapters/"
+            "architecture.py) is built with upstream's own builder and initializers"
+        ),
+        eras=(Era.CONFIG_REGISTRY,),
+        upstream_ref="none upstream: flavors are Python functions, not config.json",
+        remove_when="upstream builds a model config from a HF config.json itself",
+        apply=no_change,
+    )
+
+
+# What the derived (``hf``) flavors of state_dict_adapters/<model>.py call.
+ARCHITECTURE_BUILDERS = [
+    _architecture_builder("llama3", "_build_llama3_layers"),
+    _architecture_builder("llama3", "_output_linear_init"),
+    _architecture_builder("qwen3", "_build_qwen3_layers"),
+]
+
+PATCHES = [EAGER_FLEX_ATTENTION, *HF_ADAPTERS, *ARCHITECTURE_BUILDERS]

@@ -29,10 +29,18 @@ def adapter_class(model: str, era: Era) -> type:
 
 
 def with_adapter(spec: Any, model: str, era: Era) -> Any:
-    """An upstream TrainSpec / ModelSpec with titan-npu's adapter for ``model``."""
+    """An upstream TrainSpec / ModelSpec with titan-npu's adapter for ``model``
+    (and, for a 0.2.x TrainSpec, the flavors derived from config.json in this
+    process: ``architecture.register``)."""
     import dataclasses
 
-    return dataclasses.replace(spec, state_dict_adapter=adapter_class(model, era))
+    from torchtitan_npu.state_dict_adapters.architecture import runtime_flavors
+
+    spec = dataclasses.replace(spec, state_dict_adapter=adapter_class(model, era))
+    derived = runtime_flavors(model, era)
+    if derived and hasattr(spec, "model_args"):  # a TrainSpec
+        spec = dataclasses.replace(spec, model_args={**spec.model_args, **derived})
+    return spec
 
 
 def _make_class(model: str, era: Era) -> type:

@@ -1,0 +1,94 @@
+"""``--model.flavor hf``: train the model of a HF directory.
+
+``titan-npu train --model.flavor hf --model.hf_assets_path DIR`` takes
+
+- the architecture from ``DIR/config.json`` (``state_dict_adapters/
+  architecture.py``; the model name from its ``model_type``),
+- the weights from DIR's safetensors, loaded by upstream's checkpointer through
+  titan-npu's HF adapter (``checkpoint.initial_load_in_hf``), unless
+  ``checkpoint.initial_load_path`` names another checkpoint (a converted DCP),
+- the tokenizer from DIR, as upstream does with ``hf_assets_path``.
+"""
+
+from pathlib import Path
+from typing import Any
+
+from torchtitan_npu.compat.era import Era
+from torchtitan_npu.errors import ConfigError, ConversionError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def wanted(config: dict[str, Any]) -> bool:
+    from torchtitan_npu.state_dict_adapters.architecture import HF_FLAVOR
+
+    return config.get("model", {}).get("flavor") == HF_FLAVOR
+
+
+def prepare(config: dict[str, Any]) -> None:
+    """In the launcher: check DIR, name the model, point the checkpoint at
+    DIR's weights (the resolved config then says all of it)."""
+    if not wanted(config):
+        return
+    from torchtitan_npu.state_dict_adapters import architecture
+
+    model = config["model"]
+    directory = Path(model.get("hf_assets_path", ""))
+    if not (directory / "config.json").is_file():
+        raise ConfigError(
+            f"model.flavor hf reads the architecture from model.hf_assets_path/"
+            f"config.json, and {directory}/config.json does not exist; set "
+            "--model.hf_assets_path to a HF model directory"
+        )
+    hf_config = _read(directory)
+    name = architecture.model_for(hf_config)
+    if name is None:
+        raise ConfigError(
+            f"{directory}/config.json: model_type {hf_config.get('model_type')!r} "
+            "is no model titan-npu can build from config.json"
+        )
+    if model.get("name") != name:
+        print(f"titan-npu: model.name {name} (config.json model_type "
+              f"{hf_config.get('model_type')!r})", flush=True)  # fmt: skip
+        model["name"] = name
+    if not any((directory / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(
+            f"{directory} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy "
+            "the model's tokenizer files there"
+        )
+    checkpoint = config.setdefault("checkpoint", {})
+    if not checkpoint.get("initial_load_path"):
+        if not any(directory.glob("*.safetensors")):
+            raise ConfigError(
+                f"{directory} has no *.safetensors weights; set "
+                "--checkpoint.initial_load_path to a checkpoint to start from"
+            )
+        checkpoint.update(
+            enable=True, initial_load_path=str(directory), initial_load_in_hf=True
+        )
+
+
+def register(config: dict[str, Any], era: Era) -> None:
+    """In every process, before translation: flavor ``hf`` of the model is
+    derived from config.json and registered."""
+    if not wanted(config):
+        return
+    from torchtitan_npu.state_dict_adapters import architecture
+
+    model = config["model"]
+    try:
+        architecture.register(model["name"], model["hf_assets_path"], era)
+    except ConversionError as e:
+        raise ConfigError(
+            f"model.flavor hf from {model['hf_assets_path']}/config.json: "
+            + "; ".join(e.problems)
+        ) from None
+
+
+def _read(directory: Path) -> dict[str, Any]:
+    from torchtitan_npu.state_dict_adapters import architecture
+
+    try:
+        return architecture.read_config(directory)
+    except ConversionError as e:
+        raise ConfigError(f"{directory}/config.json: {'; '.join(e.problems)}") from None
