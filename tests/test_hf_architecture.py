@@ -69,7 +69,27 @@ FAMILIES = {
         tie_word_embeddings=True,
         max_position_embeddings=1024,
     ),
+    "qwen3_moe": dict(
+        architecture="Qwen3MoeForCausalLM",
+        model_type="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=192,  # unused: every layer is MoE
+        moe_intermediate_size=48,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=1024,
+    ),
 }
+# The titan-npu model of each family above.
+MODEL = {"qwen3_moe": "qwen3"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -96,32 +116,40 @@ def write_hf(
     return hf
 
 
+def tolerance(family: str) -> float:
+    # Upstream 0.3.x computes routed experts in bf16 (GroupedExperts casts
+    # inputs and weights), so an MoE cannot match fp32 HF to 1e-4 there.
+    return 1e-3 if family == "qwen3_moe" else 1e-4
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     family = request.param
     path = tmp_path_factory.mktemp(family) / "hf"
     hf = write_hf(path, family)
-    return family, path, hf
+    return family, MODEL.get(family, family), path, hf
 
 
 def test_import_derives_the_flavor_and_matches_transformers(checkpoint, tmp_path):
-    family, path, hf = checkpoint
+    family, model, path, hf = checkpoint
     assert len(list(path.glob("*.safetensors"))) > 1
-    result = convert.from_hf(path, tmp_path / "dcp", family, progress=False)
+    result = convert.from_hf(path, tmp_path / "dcp", model, progress=False)
     assert result.flavor == architecture.HF_FLAVOR
-    args = architecture.derive(
-        family, json.loads((path / "config.json").read_text()), ERA
-    )
-    native = native_model(family, args, ERA)
+    if family == "qwen3_moe" and ERA == "trainspec":
+        pytest.skip("0.2.x MoE router calls torch.histc on int64: no CPU kernel")
+    config = json.loads((path / "config.json").read_text())
+    args = architecture.derive(model, config, ERA)
+    native = native_model(model, args, ERA)
     load_native(native, tmp_path / "dcp")
     diff = (native_logits(native, TOKENS, ERA) - hf_logits(hf, TOKENS)).abs().max()
-    assert diff <= 1e-4, f"{family}: max abs diff {diff}"
+    print(f"{family} on {ERA}: logits max abs diff {diff:.2e}")
+    assert diff <= tolerance(family), f"{family}: max abs diff {diff}"
 
 
 def test_round_trip_is_exact_and_loads_in_transformers(checkpoint, tmp_path):
-    family, path, hf = checkpoint
-    convert.from_hf(path, tmp_path / "dcp", family, progress=False)
-    convert.to_hf(tmp_path / "dcp", tmp_path / "out", family, progress=False)
+    family, model, path, hf = checkpoint
+    convert.from_hf(path, tmp_path / "dcp", model, progress=False)
+    convert.to_hf(tmp_path / "dcp", tmp_path / "out", model, progress=False)
     original = {}
     for file in path.glob("*.safetensors"):
         original.update(load_file(file))

@@ -121,6 +121,7 @@ ARCHITECTURE_BUILDERS = [
     _architecture_builder("llama3", "_build_llama3_layers"),
     _architecture_builder("llama3", "_output_linear_init"),
     _architecture_builder("qwen3", "_build_qwen3_layers"),
+    _architecture_builder("qwen3", "_build_qwen3_moe_layers"),
 ]
 
 PATCHES = [EAGER_FLEX_ATTENTION, *HF_ADAPTERS, *ARCHITECTURE_BUILDERS]

@@ -22,6 +22,35 @@ LM_HEAD = {Era.TRAINSPEC: "output.weight", Era.CONFIG_REGISTRY: "lm_head.weight"
 QKV = {Era.TRAINSPEC: "attention.", Era.CONFIG_REGISTRY: "attention.qkv_linear."}
 
 
+# Routed experts (w1, w3, w2) and the router's load-balancing bias (0.3.x
+# renamed them).
+EXPERTS = {
+    Era.TRAINSPEC: ("moe.experts.w1", "moe.experts.w3", "moe.experts.w2"),
+    Era.CONFIG_REGISTRY: (
+        "moe.routed_experts.inner_experts.w1_EFD",
+        "moe.routed_experts.inner_experts.w3_EFD",
+        "moe.routed_experts.inner_experts.w2_EDF",
+    ),
+}
+EXPERT_BIAS = {
+    Era.TRAINSPEC: "moe.expert_bias",
+    Era.CONFIG_REGISTRY: "moe.expert_bias_E",
+}
+
+
+def routed_expert_rules(era: Era) -> list[Rule]:
+    """HF per-expert SwiGLU weights stacked into the native grouped tensors,
+    and the router's gate."""
+    hf, native = "model.layers.{layer}.mlp.", "layers.{layer}."
+    w1, w3, w2 = EXPERTS[era]
+    return [
+        Rule(f"{hf}gate.weight", f"{native}moe.router.gate.weight"),
+        Rule(f"{hf}experts.{{expert}}.gate_proj.weight", f"{native}{w1}"),
+        Rule(f"{hf}experts.{{expert}}.up_proj.weight", f"{native}{w3}"),
+        Rule(f"{hf}experts.{{expert}}.down_proj.weight", f"{native}{w2}"),
+    ]
+
+
 def dense_rules(
     era: Era,
     *,

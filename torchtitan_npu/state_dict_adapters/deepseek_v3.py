@@ -9,22 +9,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
-from torchtitan_npu.state_dict_adapters.decoder import LM_HEAD, mlp_rules, n_layers
+from torchtitan_npu.state_dict_adapters.decoder import (
+    EXPERT_BIAS,
+    EXPERTS,
+    LM_HEAD,
+    mlp_rules,
+    n_layers,
+    routed_expert_rules,
+)
 from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, Rule, TensorInfo
-
-# Routed-expert and bias names per era (0.3.x renamed them).
-_EXPERTS = {
-    Era.TRAINSPEC: ("moe.experts.w1", "moe.experts.w3", "moe.experts.w2"),
-    Era.CONFIG_REGISTRY: (
-        "moe.routed_experts.inner_experts.w1_EFD",
-        "moe.routed_experts.inner_experts.w3_EFD",
-        "moe.routed_experts.inner_experts.w2_EDF",
-    ),
-}
-_EXPERT_BIAS = {
-    Era.TRAINSPEC: "moe.expert_bias",
-    Era.CONFIG_REGISTRY: "moe.expert_bias_E",
-}
 
 
 def rules(era: Era, hf_config: Mapping[str, Any]) -> list[Rule]:
@@ -49,25 +42,17 @@ def rules(era: Era, hf_config: Mapping[str, Any]) -> list[Rule]:
         Rule(f"{hf}post_attention_layernorm.weight", f"{native}ffn_norm.weight"),
         Rule("model.norm.weight", "norm.weight"),
         Rule("lm_head.weight", LM_HEAD[era], tied_to="model.embed_tokens.weight"),
-        Rule(f"{hf}mlp.gate.weight", f"{native}moe.router.gate.weight"),
-        Rule(f"{hf}mlp.gate.e_score_correction_bias", f"{native}{_EXPERT_BIAS[era]}"),
+        Rule(f"{hf}mlp.gate.e_score_correction_bias", f"{native}{EXPERT_BIAS[era]}"),
     ]
     out += mlp_rules(f"{hf}mlp.", f"{native}feed_forward.")
     out += mlp_rules(f"{hf}mlp.shared_experts.", f"{native}moe.shared_experts.")
-    w1, w3, w2 = _EXPERTS[era]
-    expert = f"{hf}mlp.experts.{{expert}}."
-    out += [
-        Rule(f"{expert}gate_proj.weight", f"{native}{w1}"),
-        Rule(f"{expert}up_proj.weight", f"{native}{w3}"),
-        Rule(f"{expert}down_proj.weight", f"{native}{w2}"),
-    ]
-    return out
+    return out + routed_expert_rules(era)
 
 
 def hf_config(args: Any, era: Era, layout: Mapping[str, TensorInfo]) -> dict[str, Any]:
     a = _facts(args, era)
     vocab, dim = layout["tok_embeddings.weight"].shape
-    w1 = _EXPERTS[era][0]
+    w1 = EXPERTS[era][0]
     moe_key = next(k for k in layout if k.endswith(w1))
     n_experts, moe_inter, _ = layout[moe_key].shape
     shared = layout.get(moe_key.replace(w1, "moe.shared_experts.w1.weight"))

@@ -84,18 +84,21 @@ class Rule:
     """One HF key pattern <-> one native key pattern.
 
     native=None drops the HF key on import (derived buffers such as
-    ``rotary_emb.inv_freq``). tied_to names the HF key a tied weight is read
-    from when the HF checkpoint omits it; on export a tied weight is omitted.
+    ``rotary_emb.inv_freq``); hf=None is a native-only tensor with no HF
+    counterpart (upstream's MoE ``expert_bias``): zeros on import, as
+    upstream initialises it, and left out on export. tied_to names the HF key
+    a tied weight is read from when the HF checkpoint omits it; on export a
+    tied weight is omitted.
     """
 
-    hf: str
+    hf: str | None
     native: str | None
     transform: Transform = IDENTITY
     tied_to: str | None = None
 
     @property
     def stacked(self) -> bool:
-        return "{expert}" in self.hf and "{expert}" not in (self.native or "")
+        return "{expert}" in (self.hf or "") and "{expert}" not in (self.native or "")
 
 
 def _compile(pattern: str) -> re.Pattern:
@@ -124,6 +127,8 @@ class Group:
     hf_infos: tuple[TensorInfo, ...]
 
     def to_native(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if self.rule.hf is None:  # native-only
+            return torch.zeros(self.native_info.shape, dtype=self.native_info.dtype)
         if self.rule.stacked:
             return torch.stack(tensors)
         return self.rule.transform.from_hf(tensors[0])
@@ -147,7 +152,7 @@ class KeyMap:
     _native: list[tuple[re.Pattern, Rule]] = field(init=False)
 
     def __post_init__(self):
-        self._hf = [(_compile(r.hf), r) for r in self.rules]
+        self._hf = [(_compile(r.hf), r) for r in self.rules if r.hf]
         self._native = [(_compile(r.native), r) for r in self.rules if r.native]
 
     def match_hf(self, key: str) -> tuple[Rule, dict[str, str]] | None:
@@ -188,8 +193,16 @@ class KeyMap:
             native = rule.native.format()
             if native not in sources and (expected is None or native in expected):
                 sources[native] = (rule, {0: rule.tied_to})
+        for key in expected or {}:  # native-only tensors: no HF key maps to them
+            found = self.match_native(key)
+            if found is not None and found[0].hf is None:
+                sources[key] = (found[0], {})
         groups = []
         for native, (rule, experts) in sources.items():
+            if rule.hf is None:
+                assert expected is not None  # native-only rules come from it
+                groups.append(Group(native, (), rule, expected[native], ()))
+                continue
             keys = tuple(experts[e] for e in sorted(experts))
             if rule.stacked and sorted(experts) != list(range(len(experts))):
                 gaps = sorted(set(range(max(experts) + 1)) - set(experts))
@@ -225,7 +238,7 @@ class KeyMap:
                     problems.append(f"unexpected native key {key!r}: no rule maps it")
                 continue
             rule, fields = found
-            if rule.tied_to is not None and tied:
+            if (rule.tied_to is not None and tied) or rule.hf is None:
                 continue
             info = native[key]
             if rule.stacked:

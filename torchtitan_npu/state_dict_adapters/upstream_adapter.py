@@ -67,6 +67,8 @@ def _make_class(model: str, era: Era) -> type:
                 if found is None:
                     raise ConversionError(f"{model} to_hf", [f"no rule for {key!r}"])
                 rule, fields = found
+                if rule.hf is None:  # native-only: no HF counterpart
+                    continue
                 if rule.tied_to and self.tied:
                     tied = self.keymap.match_hf(rule.tied_to)
                     assert tied is not None and tied[0].native, rule.tied_to
