@@ -116,17 +116,21 @@ def _loss_compare(args: argparse.Namespace, rest: list[str]) -> int:
 def _convert(args: argparse.Namespace, rest: list[str]) -> int:
     from torchtitan_npu.state_dict_adapters import convert
 
-    dtype = convert.DTYPE_ARGS[args.dtype] if args.dtype else None
+    dtype = convert.DTYPE_ARGS.get(args.dtype) if args.dtype else None
     common = dict(model=args.model, flavor=args.flavor, dtype=dtype)
     if args.direction == "from-hf":
-        result = convert.from_hf(args.source, args.out, **common)
+        result = convert.from_hf(
+            args.source, args.out, skip_mtp=args.skip_mtp, **common
+        )
         hint = f"train from it: --checkpoint.initial_load_path {result.out}"
     else:
         result = convert.to_hf(
             args.source,
             args.out,
+            fp8_like_source=args.dtype == "fp8-like-source",
             max_shard_size=args.max_shard_size,
             tokenizer=args.tokenizer,
+            hf_config=args.hf_config,
             **common,
         )
         hint = "load it with transformers' from_pretrained"
@@ -186,11 +190,33 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("source", metavar=source)
         sub.add_argument("out", metavar="OUT", help="new directory (atomic)")
         sub.add_argument("--model", required=True, help="llama3, qwen3, ...")
-        sub.add_argument("--flavor", help="default: inferred from the shapes")
-        sub.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
-        if name == "to-hf":
+        sub.add_argument(
+            "--flavor",
+            help="default: the registered flavor config.json (from-hf) or the "
+            "tensors (to-hf) describe, else 'hf': derived from config.json",
+        )
+        dtypes = ["bf16", "fp16", "fp32"]
+        if name == "from-hf":
+            sub.add_argument("--dtype", choices=dtypes, help="default: as stored")
+            sub.add_argument(
+                "--skip-mtp",
+                action="store_true",
+                help="leave out multi-token-prediction layers (deepseek_v3)",
+            )
+        else:
+            sub.add_argument(
+                "--dtype",
+                choices=[*dtypes, "fp8-like-source"],
+                help="default: the checkpoint's; fp8-like-source: the source's "
+                "block-wise FP8",
+            )
             sub.add_argument("--max-shard-size", default="5GB")
             sub.add_argument("--tokenizer", help="copy HF tokenizer files from DIR")
+            sub.add_argument(
+                "--hf-config",
+                help="config.json (or HF directory) the checkpoint's architecture "
+                "was derived from (found by itself for from-hf and hf runs)",
+            )
         sub.set_defaults(handler=_convert)
 
     doctor = commands.add_parser("doctor", help="versions, device, patch table")

@@ -58,6 +58,13 @@ def prepare(config: dict[str, Any]) -> None:
         )
     checkpoint = config.setdefault("checkpoint", {})
     if not checkpoint.get("initial_load_path"):
+        if hf_config.get("quantization_config"):
+            raise ConfigError(
+                f"{directory} holds quantized weights, which training does not "
+                f"dequantize; convert them first (titan-npu convert from-hf "
+                f"{directory} OUT --model {name}) and pass "
+                "--checkpoint.initial_load_path OUT"
+            )
         if not any(directory.glob("*.safetensors")):
             raise ConfigError(
                 f"{directory} has no *.safetensors weights; set "

@@ -122,6 +122,9 @@ ARCHITECTURE_BUILDERS = [
     _architecture_builder("llama3", "_output_linear_init"),
     _architecture_builder("qwen3", "_build_qwen3_layers"),
     _architecture_builder("qwen3", "_build_qwen3_moe_layers"),
+    _architecture_builder("deepseek_v3", "_build_dsv3_layers"),
+    _architecture_builder("deepseek_v3", "_build_mtp_layers"),
+    _architecture_builder("deepseek_v3", "_output_linear_init"),
 ]
 
 PATCHES = [EAGER_FLEX_ATTENTION, *HF_ADAPTERS, *ARCHITECTURE_BUILDERS]

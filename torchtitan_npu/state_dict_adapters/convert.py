@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from torchtitan_npu.compat.era import Era
-from torchtitan_npu.state_dict_adapters import architecture, get_adapter
+from torchtitan_npu.state_dict_adapters import architecture, get_adapter, quantization
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 from torchtitan_npu.state_dict_adapters.mapping import (
     TRAINING_STATE_PREFIXES,
@@ -74,25 +75,38 @@ def from_hf(
     flavor: str | None = None,
     *,
     dtype: torch.dtype | None = None,
+    skip_mtp: bool = False,
     era: Era | None = None,
     args: Any = None,
     progress: bool = True,
 ) -> Result:
     """HF safetensors -> a DCP checkpoint `titan-npu train` starts from
-    (``--checkpoint.initial_load_path OUT``). Without a flavor the one whose
-    HF config matches config.json is used."""
+    (``--checkpoint.initial_load_path OUT``). Without a flavor, the registered
+    flavor config.json describes, else one derived from it (``hf``). FP8
+    weights are dequantized to `dtype` (default: the checkpoint's
+    ``torch_dtype``); `skip_mtp` leaves out multi-token-prediction layers."""
     era = era or current_era()
     adapter = get_adapter(model)
-    source = HFCheckpoint(hf_dir)
+    source: Any = HFCheckpoint(hf_dir)
     if source.config is None:
         raise ConversionError(f"HF checkpoint {hf_dir}", ["config.json missing"])
+    hf_config = dict(source.config)
+    fp8 = quantization.scheme(hf_config)
+    if fp8 is not None:
+        source = quantization.Dequantized(
+            source, fp8, dtype or _stored_dtype(hf_config)
+        )
+    infos = source.infos
+    if skip_mtp and hf_config.get("num_nextn_predict_layers"):
+        infos = _without_mtp(infos, hf_config)
+        hf_config["num_nextn_predict_layers"] = 0
     if args is None:
-        flavor, args = architecture.resolve(model, flavor, source.config, era)
+        flavor, args = architecture.resolve(model, flavor, hf_config, era)
     expected, tied = um.describe(model, args, era)
     native_config = adapter.hf_config(args, era, expected)
     native_config["tie_word_embeddings"] = tied
     keymap = adapter.keymap(era, native_config)
-    groups = {g.native: g for g in keymap.plan_from_hf(source.infos, expected)}
+    groups = {g.native: g for g in keymap.plan_from_hf(infos, expected)}
     layout = {
         k: TensorInfo(g.native_info.shape, dtype or g.native_info.dtype)
         for k, g in groups.items()
@@ -105,13 +119,39 @@ def from_hf(
         bar.advance(tensor.nbytes)
         return tensor
 
+    record: dict[str, Any] = {"hf_config": source.config}
+    if fp8 is not None:
+        record["fp8_weights"] = quantization.key_patterns(source.quantized)
     start = time.perf_counter()
     with atomic_dir(out) as tmp:
         write_native(tmp, layout, make)
-        _provenance(tmp, model, flavor, era, hf_dir, source.config)
+        _provenance(tmp, model, flavor, era, hf_dir, **record)
     bar.done()
     nbytes = sum(i.nbytes for i in layout.values())
     return Result(Path(out), flavor, len(layout), nbytes, time.perf_counter() - start)
+
+
+def _stored_dtype(hf_config: dict) -> torch.dtype:
+    """The dtype a checkpoint keeps its unquantized tensors in (config.json)."""
+    name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
+    found = getattr(torch, str(name), None)
+    return found if isinstance(found, torch.dtype) else torch.bfloat16
+
+
+def _without_mtp(infos: dict, hf_config: dict) -> dict:
+    """The HF tensors minus those of the MTP layers (layers >= N)."""
+    n_main = hf_config["num_hidden_layers"]
+    kept = {}
+    for key, info in infos.items():
+        m = re.match(r"model\.layers\.(\d+)\.", key)
+        if m is None or int(m.group(1)) < n_main:
+            kept[key] = info
+    print(
+        f"titan-npu convert: --skip-mtp: left out {len(infos) - len(kept)} tensors "
+        f"of {hf_config['num_nextn_predict_layers']} MTP layer(s)",
+        file=sys.stderr,
+    )
+    return kept
 
 
 def to_hf(
@@ -121,6 +161,7 @@ def to_hf(
     flavor: str | None = None,
     *,
     dtype: torch.dtype | None = None,
+    fp8_like_source: bool = False,
     max_shard_size: str | int = "5GB",
     tokenizer: str | Path | None = None,
     hf_config: str | Path | None = None,
@@ -131,7 +172,9 @@ def to_hf(
     """A DCP checkpoint (training or from-hf) -> HF safetensors + index +
     config.json that transformers' from_pretrained loads. A checkpoint of a
     flavor derived from config.json (``hf``) finds that config.json itself
-    (from-hf's provenance, the training run's config) or takes `hf_config`."""
+    (from-hf's provenance, the training run's config) or takes `hf_config`
+    (a config.json or the source HF directory). `fp8_like_source` writes the
+    source's block-wise FP8 (its own scales where it is still there)."""
     era = era or current_era()
     adapter = get_adapter(model)
     source = NativeCheckpoint(checkpoint)
@@ -142,9 +185,9 @@ def to_hf(
     }
     if tokenizer is not None:
         _tokenizer_files(Path(tokenizer))  # before anything is written
-    source_config, derived = _source_config(Path(checkpoint), hf_config)
+    origin = _origin(Path(checkpoint), hf_config)
     if args is None:
-        recorded = source_config if derived else None
+        recorded = origin.config if origin.derived else None
         flavor, args = _flavor_for_native(model, flavor, model_keys, era, recorded)
     expected, tied = um.describe(model, args, era)
     problems = compare_layouts(model_keys, expected, "model")
@@ -152,18 +195,24 @@ def to_hf(
         raise ConversionError(
             f"native checkpoint {checkpoint} vs {model} {flavor}", problems
         )
-    config = _carried_fields(source_config)
+    config = _carried_fields(origin.config)
     config.update(adapter.hf_config(args, era, expected))
     config["tie_word_embeddings"] = tied
     groups = adapter.keymap(era, config).plan_to_hf(model_keys, tied=tied)
     first = next(iter(model_keys.values()))
     out_dtype = dtype or first.dtype
     config["torch_dtype"] = str(out_dtype).removeprefix("torch.")
-    plan = [
-        (k, TensorInfo(i.shape, out_dtype if i.dtype.is_floating_point else i.dtype))
-        for g in groups
-        for k, i in zip(g.hf, g.hf_infos)
-    ]
+    fp8 = origin.fp8_export() if fp8_like_source else None
+    if fp8 is not None:
+        config["quantization_config"] = fp8.scheme.config
+    plan = []
+    for g in groups:
+        for k, i in zip(g.hf, g.hf_infos):
+            if fp8 is not None and fp8.covers(k, i):
+                plan += fp8.planned(k, i)
+            else:
+                kept = out_dtype if i.dtype.is_floating_point else i.dtype
+                plan.append((k, TensorInfo(i.shape, kept)))
     limit = (
         parse_size(max_shard_size)
         if isinstance(max_shard_size, str)
@@ -177,6 +226,11 @@ def to_hf(
         for g in groups:
             tensor = source.read(g.native)
             for key, part in zip(g.hf, g.to_hf(tensor)):
+                if fp8 is not None and fp8.covers(key, TensorInfo.of(part)):
+                    for name, stored in fp8.quantized(key, part):
+                        writer.write(name, stored)
+                        bar.advance(stored.nbytes)
+                    continue
                 part = part.to(out_dtype) if part.is_floating_point() else part
                 writer.write(key, part)
                 bar.advance(part.nbytes)
@@ -223,23 +277,98 @@ def _flavor_for_native(model, flavor, layout, era, recorded):
     )
 
 
-def _source_config(checkpoint: Path, hf_config) -> tuple[dict | None, bool]:
-    """(config.json the checkpoint came from, whether its architecture was
-    derived from it): --hf-config, the provenance from-hf wrote, or the run it
-    was trained by (``titan_npu_config.json`` of a run above it)."""
+@dataclass
+class _Origin:
+    """The HF checkpoint a native checkpoint came from, as far as it is known:
+    its config.json, whether the architecture was derived from it, its
+    directory, and which of its weights were FP8."""
+
+    config: dict | None = None
+    derived: bool = False
+    directory: Path | None = None
+    fp8_weights: list[str] | None = None
+
+    def fp8_export(self) -> _FP8Export:
+        scheme = quantization.scheme(self.config)
+        if scheme is None:
+            raise ConversionError(
+                "--dtype fp8-like-source",
+                [
+                    "the checkpoint's source is no FP8 checkpoint, or unknown; "
+                    "pass --hf-config SOURCE_DIR"
+                ],
+            )
+        reference = None
+        if self.directory is not None and self.directory.is_dir():
+            try:
+                reference = HFCheckpoint(self.directory)
+            except ConversionError:
+                reference = None  # changed since the import: fresh scales
+        patterns = self.fp8_weights
+        if patterns is None and reference is not None:
+            fp8 = [k for k, i in reference.infos.items() if i.dtype == quantization.FP8]
+            patterns = quantization.key_patterns(fp8)
+        if not patterns:
+            raise ConversionError(
+                "--dtype fp8-like-source",
+                ["which weights the source kept in FP8 is unknown; pass --hf-config"],
+            )
+        return _FP8Export(scheme, set(patterns), reference)
+
+
+@dataclass
+class _FP8Export:
+    """Writes the source's FP8 weights, with its own scales where available."""
+
+    scheme: quantization.BlockFP8
+    patterns: set[str]
+    reference: HFCheckpoint | None
+
+    def covers(self, key: str, info: TensorInfo) -> bool:
+        return len(info.shape) == 2 and quantization.matches(key, self.patterns)
+
+    def planned(self, key: str, info: TensorInfo) -> list[tuple[str, TensorInfo]]:
+        scale = TensorInfo(self.scheme.scale_shape(info.shape), torch.float32)
+        return [
+            (key, TensorInfo(info.shape, quantization.FP8)),
+            (key + quantization.SCALE_SUFFIX, scale),
+        ]
+
+    def quantized(self, key: str, weight: torch.Tensor) -> list[tuple[str, Any]]:
+        scale_key = key + quantization.SCALE_SUFFIX
+        old = None
+        if self.reference is not None and scale_key in self.reference.infos:
+            old = self.reference.read(scale_key)
+        values, scale = quantization.quantize(weight, self.scheme.block, old)
+        return [(key, values), (scale_key, scale)]
+
+
+def _origin(checkpoint: Path, hf_config) -> _Origin:
+    """Where a native checkpoint came from: --hf-config (a config.json or the
+    source directory), the provenance from-hf wrote, or the run it was
+    trained by (``titan_npu_config.json`` of a run above it)."""
     if hf_config is not None:
-        return architecture.read_config(hf_config), True
+        path = Path(hf_config)
+        return _Origin(
+            architecture.read_config(path), True, path if path.is_dir() else None
+        )
     if (checkpoint / PROVENANCE).is_file():
         record = _read_json_file(checkpoint / PROVENANCE)
-        return record.get("hf_config"), record.get("flavor") == architecture.HF_FLAVOR
+        return _Origin(
+            record.get("hf_config"),
+            record.get("flavor") == architecture.HF_FLAVOR,
+            Path(record["source"]) if record.get("source") else None,
+            record.get("fp8_weights"),
+        )
     for parent in list(checkpoint.resolve().parents)[:3]:
         run = parent / "titan_npu_config.json"
         if run.is_file():
             settings = _read_json_file(run).get("model", {})
             if settings.get("flavor") == architecture.HF_FLAVOR:
-                return architecture.read_config(settings["hf_assets_path"]), True
+                directory = Path(settings["hf_assets_path"])
+                return _Origin(architecture.read_config(directory), True, directory)
             break
-    return None, False
+    return _Origin()
 
 
 def _read_json_file(path: Path) -> dict:
@@ -277,10 +406,9 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
         shutil.copy2(f, dst / f.name)
 
 
-def _provenance(out: Path, model, flavor, era, source, hf_config=None) -> None:
+def _provenance(out: Path, model, flavor, era, source, **more) -> None:
     record = {"model": model, "flavor": flavor, "era": era, "source": str(source)}
-    if hf_config is not None:
-        record["hf_config"] = hf_config
+    record.update(more)
     (out / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
 
 

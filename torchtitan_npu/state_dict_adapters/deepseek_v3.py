@@ -2,9 +2,16 @@
 
 Routed experts are one stacked tensor per projection natively and one tensor
 per expert in HF. RoPE dims stay interleaved on both sides (HF
-``rope_interleave=True``), so no permutation.
+``rope_interleave=True``), so no permutation. Multi-token-prediction layers
+(``num_nextn_predict_layers``) are HF layers ``N .. N+M-1`` after the N main
+ones and upstream's ``mtp_layers.0 .. M-1`` (0.3.x); their copies of the
+embedding and output head (``embed_tokens``, ``shared_head.head``) are the
+main model's, which upstream's MTP shares, so they are dropped on import.
+FP8 checkpoints are dequantized on import (``quantization.py``).
 """
 
+import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +28,41 @@ from torchtitan_npu.state_dict_adapters.mapping import ModelAdapter, Rule, Tenso
 
 
 def rules(era: Era, hf_config: Mapping[str, Any]) -> list[Rule]:
-    hf, native = "model.layers.{layer}.", "layers.{layer}."
+    main = _layer_rules(era)
+    n_main = hf_config.get("num_hidden_layers", 0)
+    mtp = []  # literal layer numbers, ahead of the {layer} rules they also match
+    for i in range(hf_config.get("num_nextn_predict_layers") or 0):
+        hf, native = f"model.layers.{n_main + i}.", f"mtp_layers.{i}."
+        mtp += [
+            Rule(
+                r.hf.replace(_HF_LAYER, hf, 1),
+                r.native.replace(_NATIVE_LAYER, native, 1),
+                r.transform,
+            )
+            for r in main
+            if r.hf and r.native and r.hf.startswith(_HF_LAYER)
+        ]
+        mtp += [
+            Rule(f"{hf}{h}.weight", f"{native}{n}.weight")
+            for h, n in [
+                ("enorm", "enorm"),
+                ("hnorm", "hnorm"),
+                ("eh_proj", "eh_proj"),
+                ("shared_head.norm", "mtp_norm"),
+            ]
+        ]
+        mtp += [
+            Rule(f"{hf}embed_tokens.weight", None),  # the main model's
+            Rule(f"{hf}shared_head.head.weight", None),
+        ]
+    return mtp + main
+
+
+_HF_LAYER, _NATIVE_LAYER = "model.layers.{layer}.", "layers.{layer}."
+
+
+def _layer_rules(era: Era) -> list[Rule]:
+    hf, native = _HF_LAYER, _NATIVE_LAYER
     attn = [
         ("q_proj", "wq"),
         ("q_a_proj", "wq_a"),
@@ -81,6 +122,9 @@ def hf_config(args: Any, era: Era, layout: Mapping[str, TensorInfo]) -> dict[str
         "qk_rope_head_dim": a["qk_rope_head_dim"],
         "head_dim": a["qk_rope_head_dim"],  # what transformers' config sets
         "v_head_dim": a["v_head_dim"],
+        "num_nextn_predict_layers": len(
+            {m.group(1) for k in layout if (m := re.match(r"mtp_layers\.(\d+)\.", k))}
+        ),
         "rms_norm_eps": a["norm_eps"],
         "rope_theta": a["rope_theta"],
         "rope_interleave": True,
@@ -171,6 +215,203 @@ def _config_registry_facts(args):
 
 _FACTS = {Era.TRAINSPEC: _trainspec_facts, Era.CONFIG_REGISTRY: _config_registry_facts}
 
+
+# -- config.json -> native (architecture.derive) ------------------------------
+
+REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "first_k_dense_replace",
+)
+
+
+def _yarn(hf: Mapping[str, Any], problems: list[str]) -> dict[str, Any] | None:
+    """config.json's YaRN settings, or None without rope scaling. Upstream
+    folds YaRN's mscale into the softmax scale only: HF's mscale (on cos/sin)
+    must equal mscale_all_dim (on the softmax), as in DeepSeek's releases."""
+    scaling = hf.get("rope_scaling")
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        problems.append(
+            f"config.json rope_scaling.rope_type {kind!r} is not supported for "
+            "deepseek_v3 (supported: 'yarn' or no rope_scaling)"
+        )
+        return None
+    mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale is None or mscale != all_dim:
+        problems.append(
+            f"config.json rope_scaling mscale={mscale!r}, mscale_all_dim={all_dim!r}: "
+            "upstream's deepseek_v3 needs both, equal"
+        )
+    need = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+    problems += [
+        f"config.json rope_scaling has no {k!r}" for k in need if k not in scaling
+    ]
+    return {k: scaling.get(k) for k in (*need, "mscale")}
+
+
+def _shape(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's MLA / MoE sizes in upstream's terms (both eras)."""
+    groups = hf.get("n_group") or 1
+    return dict(
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_dense_layers=hf["first_k_dense_replace"],
+        n_heads=hf["num_attention_heads"],
+        q_lora_rank=hf.get("q_lora_rank") or 0,
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        num_experts=hf["n_routed_experts"],
+        num_shared_experts=hf.get("n_shared_experts") or 0,
+        top_k=hf["num_experts_per_tok"],
+        route_norm=bool(hf["norm_topk_prob"]),
+        route_scale=float(hf["routed_scaling_factor"]),
+        num_expert_groups=groups if groups > 1 else None,
+        num_limited_groups=hf.get("topk_group") if groups > 1 else None,
+    )
+
+
+def _trainspec_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
+    """0.2.x DeepSeekV3ModelArgs (no MTP there: see from-hf --skip-mtp)."""
+    # pyrefly: ignore[missing-import]  # 0.2.x only
+    from torchtitan.models.deepseek_v3.model.args import DeepSeekV3ModelArgs
+
+    # pyrefly: ignore[missing-import]  # 0.2.x only
+    from torchtitan.models.moe import MoEArgs
+
+    if hf.get("num_nextn_predict_layers"):
+        problems.append(
+            f"config.json num_nextn_predict_layers={hf['num_nextn_predict_layers']}: "
+            "upstream's deepseek_v3 has no MTP layers before torchtitan 0.3; "
+            "convert with --skip-mtp to leave them out"
+        )
+    yarn = _yarn(hf, problems)
+    shape = _shape(hf)
+    moe = dict(
+        num_experts=shape["num_experts"],
+        num_shared_experts=shape["num_shared_experts"],
+        score_func="sigmoid",
+        route_norm=shape["route_norm"],
+        route_scale=shape["route_scale"],
+        score_before_experts=False,  # HF weights the experts' outputs
+        top_k=shape["top_k"],
+    )
+    if shape["num_expert_groups"] is not None:
+        if "num_expert_groups" not in {f.name for f in dataclasses.fields(MoEArgs)}:
+            problems.append("config.json n_group: this torchtitan has no expert groups")
+        moe.update(
+            num_expert_groups=shape["num_expert_groups"],
+            num_limited_groups=shape["num_limited_groups"],
+        )
+    if problems:
+        return None
+    max_seq_len = hf["max_position_embeddings"]
+    rope: dict[str, Any] = dict(original_seq_len=max_seq_len)  # no YaRN
+    if yarn is not None:
+        rope = dict(
+            original_seq_len=yarn["original_max_position_embeddings"],
+            rope_factor=float(yarn["factor"]),
+            beta_fast=yarn["beta_fast"],
+            beta_slow=yarn["beta_slow"],
+            mscale=float(yarn["mscale"]),
+        )
+    return DeepSeekV3ModelArgs(
+        max_seq_len=max_seq_len,
+        vocab_size=hf["vocab_size"],
+        dim=shape["dim"],
+        inter_dim=hf["intermediate_size"],
+        moe_inter_dim=hf["moe_intermediate_size"],
+        n_layers=shape["n_layers"],
+        n_dense_layers=shape["n_dense_layers"],
+        n_heads=shape["n_heads"],
+        norm_eps=hf["rms_norm_eps"],
+        moe_args=MoEArgs(**moe),
+        q_lora_rank=shape["q_lora_rank"],
+        kv_lora_rank=shape["kv_lora_rank"],
+        qk_nope_head_dim=shape["qk_nope_head_dim"],
+        qk_rope_head_dim=shape["qk_rope_head_dim"],
+        v_head_dim=shape["v_head_dim"],
+        rope_theta=float(hf["rope_theta"]),
+        **rope,
+    )
+
+
+def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
+    """0.3.x DeepSeekV3Model.Config: upstream's MLA + MoE layer builder with
+    its inits, and its MTP layers."""
+    import torchtitan.models.deepseek_v3 as upstream
+    from torchtitan.models.common import ComplexRoPE
+
+    from torchtitan_npu.state_dict_adapters import decoder
+
+    yarn = _yarn(hf, problems)
+    if problems:
+        return None
+    shape = _shape(hf)
+    dim = shape["dim"]
+    rope = ComplexRoPE.Config(
+        dim=shape["qk_rope_head_dim"],
+        max_seq_len=hf["max_position_embeddings"],
+        theta=float(hf["rope_theta"]),
+    )
+    mscale = 1.0
+    if yarn is not None:
+        rope.scaling = "yarn"
+        rope.rope_factor = float(yarn["factor"])
+        rope.beta_fast, rope.beta_slow = yarn["beta_fast"], yarn["beta_slow"]
+        rope.original_seq_len = yarn["original_max_position_embeddings"]
+        mscale = float(yarn["mscale"])
+    config = decoder.retarget("deepseek_v3", hf, moe=True)
+    config.lm_head.param_init = upstream._output_linear_init(dim)
+    config.layers = upstream._build_dsv3_layers(
+        n_layers=shape["n_layers"],
+        n_dense_layers=shape["n_dense_layers"],
+        dim=dim,
+        n_heads=shape["n_heads"],
+        q_lora_rank=shape["q_lora_rank"],
+        kv_lora_rank=shape["kv_lora_rank"],
+        qk_nope_head_dim=shape["qk_nope_head_dim"],
+        qk_rope_head_dim=shape["qk_rope_head_dim"],
+        v_head_dim=shape["v_head_dim"],
+        mscale=mscale,
+        dense_hidden_dim=hf["intermediate_size"],
+        moe_hidden_dim=hf["moe_intermediate_size"],
+        num_experts=shape["num_experts"],
+        num_shared_experts=shape["num_shared_experts"],
+        router_top_k=shape["top_k"],
+        router_score_func="sigmoid",
+        router_num_expert_groups=shape["num_expert_groups"],
+        router_num_limited_groups=shape["num_limited_groups"],
+        router_route_scale=shape["route_scale"],
+        router_route_norm=shape["route_norm"],
+        attn_backend="flex",  # model_registry's defaults
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=rope,
+    )
+    config.mtp_layers = upstream._build_mtp_layers(
+        config.layers[-1],
+        dim=dim,
+        num_mtp_layers=hf.get("num_nextn_predict_layers") or 0,
+    )
+    decoder.set_norm_eps(config, hf["rms_norm_eps"])
+    return config
+
+
 ADAPTER = ModelAdapter(
     "deepseek_v3",
     "DeepseekV3ForCausalLM",
@@ -186,7 +427,14 @@ ADAPTER = ModelAdapter(
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "n_group": 8,
+        "topk_group": 4,
+        "n_shared_experts": 1,
+        "q_lora_rank": 1536,
+        "max_position_embeddings": 4096,
     },
+    required=REQUIRED,
     neutral={
         "attention_dropout": lambda value, _: value == 0,
         "pretraining_tp": lambda value, _: value == 1,
@@ -194,6 +442,13 @@ ADAPTER = ModelAdapter(
         # what HF's DeepseekV3 always does
         "scoring_func": lambda value, _: value == "sigmoid",
         "topk_method": lambda value, _: value == "noaux_tc",
-        "num_nextn_predict_layers": lambda value, _: value == 0,
+        # derived by transformers' config
+        "qk_head_dim": lambda value, hf: (
+            value == hf.get("qk_nope_head_dim", 0) + hf.get("qk_rope_head_dim", 0)
+        ),
+    },
+    native_args={
+        Era.TRAINSPEC: _trainspec_args,
+        Era.CONFIG_REGISTRY: _config_registry_args,
     },
 )
