@@ -111,7 +111,7 @@ ADAPTER = ModelAdapter(
         "use_sliding_window": False,
     },
     required=decoder.REQUIRED,
-    neutral=decoder.NEUTRAL,
+    neutral={**decoder.NEUTRAL, "use_mrope": lambda value, _: value is False},
     native_args={
         Era.TRAINSPEC: _trainspec_args,
         Era.CONFIG_REGISTRY: _config_registry_args,
