@@ -435,3 +435,72 @@ def test_deepseek_mtp_needs_skip_mtp_before_0_3(deepseek_fp8, tmp_path):
         path, tmp_path / "b", "deepseek_v3", skip_mtp=True, progress=False
     )
     assert result.flavor == architecture.HF_FLAVOR
+
+
+def _edited_copy(source, target, *, config=None, drop=()):
+    """A copy of an HF directory with config.json edited and tensors dropped."""
+    from safetensors.torch import save_file
+
+    target.mkdir()
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    kept = {}
+    for file in sorted(source.glob("*.safetensors")):
+        tensors = {k: v for k, v in load_file(file).items() if k not in drop}
+        save_file(tensors, target / file.name, metadata={"format": "pt"})
+        kept.update(dict.fromkeys(tensors, file.name))
+    index["weight_map"] = kept
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    hf_config = json.loads((source / "config.json").read_text())
+    hf_config.update(config or {})
+    (target / "config.json").write_text(json.dumps(hf_config))
+    return target
+
+
+def _refused(path, model, match, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ConversionError, match=match) as error:
+        convert.from_hf(path, out, model, progress=False)
+    assert "\n" not in str(error.value), str(error.value)  # one line
+    assert not out.exists()
+    assert not list(tmp_path.glob(".out.partial-*"))
+    return str(error.value)
+
+
+def test_bad_hf_inputs_are_one_line_and_write_nothing(deepseek_fp8, tmp_path):
+    moe_dir = tmp_path / "moe"
+    write_hf(moe_dir, "qwen3_moe")
+    expert = "model.layers.1.mlp.experts.3.up_proj.weight"
+    cases = [
+        (dict(drop={expert}), moe_dir, "qwen3", r"HF experts \[3\] missing"),
+        (
+            dict(config={"moe_intermediate_size": 40}),
+            moe_dir,
+            "qwen3",
+            "shape mismatch",
+        ),
+        (
+            dict(config={"quantization_config": {"quant_method": "gptq", "bits": 4}}),
+            moe_dir,
+            "qwen3",
+            "quant_method 'gptq' is not supported",
+        ),
+        (
+            dict(drop={"model.layers.0.self_attn.o_proj.weight_scale_inv"}),
+            deepseek_fp8[0],
+            "deepseek_v3",
+            "has no 'model.layers.0.self_attn.o_proj.weight_scale_inv'",
+        ),
+        (
+            dict(config={"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}),
+            moe_dir,
+            "qwen3",
+            "rope_scaling",
+        ),
+    ]
+    for n, (edit, source, model, match) in enumerate(cases):
+        case = tmp_path / f"case{n}"
+        case.mkdir()
+        message = _refused(
+            _edited_copy(source, case / "hf", **edit), model, match, case
+        )
+        print(message)

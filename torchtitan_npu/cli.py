@@ -114,6 +114,23 @@ def _loss_compare(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _convert(args: argparse.Namespace, rest: list[str]) -> int:
+    import signal
+
+    from torchtitan_npu.errors import Interrupted
+
+    def stop(signum, frame):  # while planning; writing defers to the next tensor
+        raise Interrupted(signum, "convert")
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+    try:
+        return _run_convert(args)
+    except Interrupted as e:
+        print(f"titan-npu: error: {e}; {args.out} was not written", file=sys.stderr)
+        return 128 + e.signum
+
+
+def _run_convert(args: argparse.Namespace) -> int:
     from torchtitan_npu.state_dict_adapters import convert
 
     dtype = convert.DTYPE_ARGS.get(args.dtype) if args.dtype else None

@@ -37,15 +37,28 @@ class TorchNpuLoadError(ImportError):
 
 
 class ConversionError(ValueError):
-    """Everything wrong with one conversion, reported together."""
+    """Everything wrong with one conversion, found together; the message is
+    one line (the first problems and how many more), ``problems`` all."""
+
+    SHOWN = 3
 
     def __init__(self, what: str, problems: Iterable[str]):
         self.problems = list(problems)
-        listed = "\n".join(f"  - {p}" for p in self.problems[:50])
-        more = len(self.problems) - 50
+        shown = "; ".join(self.problems[: self.SHOWN])
+        more = len(self.problems) - self.SHOWN
         if more > 0:
-            listed += f"\n  ... and {more} more"
-        super().__init__(f"{what}: {len(self.problems)} problem(s)\n{listed}")
+            shown += f"; and {more} more like these"
+        super().__init__(f"{what}: {shown}")
+
+
+class Interrupted(Exception):
+    """A signal (Ctrl-C, SIGTERM) stopped a command; what it was writing is gone."""
+
+    def __init__(self, signum: int, what: str):
+        import signal
+
+        self.signum = signum
+        super().__init__(f"{what} stopped by {signal.Signals(signum).name}")
 
 
 # What a rank reports as one line before training starts.

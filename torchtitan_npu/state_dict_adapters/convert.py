@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.errors import Interrupted
 from torchtitan_npu.state_dict_adapters import architecture, get_adapter, quantization
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 from torchtitan_npu.state_dict_adapters.mapping import (
@@ -414,21 +416,91 @@ def _provenance(out: Path, model, flavor, era, source, **more) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(out: str | Path) -> Iterator[Path]:
-    """A temp dir beside `out`, renamed to `out` only on success."""
+    """A temp dir beside `out`, renamed to `out` only on success. Ctrl-C or
+    SIGTERM stop at the next tensor (``Interrupted``) and leave nothing; temp
+    dirs of killed runs (SIGKILL) are removed here."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConversionError(f"output {out}", ["exists and is not empty"])
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
-        yield tmp
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        where = e.filename or out.parent
+        raise ConversionError(
+            f"output {out}", [f"cannot create {where}: {e.strerror}"]
+        ) from None
+    try:
+        with _stop_on_signals():
+            yield tmp
+            if out.exists():
+                out.rmdir()
+            tmp.rename(out)
+    except Exception:
+        if _STOP.signum is not None:  # whatever the writer made of it
+            raise Interrupted(_STOP.signum, f"writing {out}") from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Remove temp dirs of conversions into `out` whose process is gone; a
+    live one is another conversion writing `out`."""
+    for partial in out.parent.glob(f".{out.name}.partial-*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(partial, ignore_errors=True)
+            continue
+        except PermissionError:
+            pass  # alive, another user's
+        raise ConversionError(
+            f"output {out}", [f"another conversion (pid {pid}) is writing it"]
+        )
+
+
+class _Stop:
+    signum: int | None = None
+
+
+_STOP = _Stop()
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGINT / SIGTERM: stop at the next tensor (``check_stop``); a second
+    one stops at once."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if _STOP.signum is not None:
+            raise Interrupted(signum, "conversion")
+        _STOP.signum = signum
+
+    _STOP.signum = None
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def check_stop() -> None:
+    """Raise ``Interrupted`` if a signal arrived (called between tensors)."""
+    if _STOP.signum is not None:
+        raise Interrupted(_STOP.signum, "conversion")
 
 
 class Progress:
@@ -439,6 +511,7 @@ class Progress:
         self.done_bytes, self.start, self.shown = 0, time.perf_counter(), 0.0
 
     def advance(self, nbytes: int) -> None:
+        check_stop()
         self.done_bytes += nbytes
         now = time.perf_counter()
         if self.enabled and now - self.shown > 0.5:

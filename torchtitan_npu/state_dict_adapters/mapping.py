@@ -198,6 +198,7 @@ class KeyMap:
             if found is not None and found[0].hf is None:
                 sources[key] = (found[0], {})
         groups = []
+        broken = set()  # reported already: not "missing" as well
         for native, (rule, experts) in sources.items():
             if rule.hf is None:
                 assert expected is not None  # native-only rules come from it
@@ -207,21 +208,25 @@ class KeyMap:
             if rule.stacked and sorted(experts) != list(range(len(experts))):
                 gaps = sorted(set(range(max(experts) + 1)) - set(experts))
                 problems.append(f"{native}: HF experts {gaps} missing")
+                broken.add(native)
                 continue
             infos = tuple(hf[k] for k in keys)
             if len({i.shape for i in infos}) > 1 or len({i.dtype for i in infos}) > 1:
                 problems.append(f"{native}: experts differ in shape or dtype")
+                broken.add(native)
                 continue
             shape = ((len(keys),) if rule.stacked else ()) + infos[0].shape
             groups.append(
                 Group(native, keys, rule, TensorInfo(shape, infos[0].dtype), infos)
             )
         if expected is not None:
-            problems += compare_layouts(
-                {g.native: g.native_info for g in groups}, expected, "native"
-            )
+            got = {g.native: g.native_info for g in groups}
+            got |= {k: expected[k] for k in broken if k in expected}
+            problems += compare_layouts(got, expected, "native")
         if problems:
-            raise ConversionError("HF -> native", problems)
+            raise ConversionError(
+                "HF tensors vs the model config.json describes", problems
+            )
         return groups
 
     def plan_to_hf(
@@ -256,7 +261,7 @@ class KeyMap:
         if not groups and not problems:
             problems.append("no model tensors found")
         if problems:
-            raise ConversionError("native -> HF", problems)
+            raise ConversionError("native tensors vs the HF mapping", problems)
         return groups
 
 

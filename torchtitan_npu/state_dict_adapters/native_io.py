@@ -13,6 +13,7 @@ import pickle
 import struct
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +47,9 @@ class NativeCheckpoint:
             for key, m in metadata.state_dict_metadata.items()
             if isinstance(m, TensorStorageMetadata)
         }
+        problems = _missing_data(self.path, metadata)
+        if problems:
+            raise ConversionError(f"native checkpoint {path}", problems)
 
     def read(self, key: str) -> torch.Tensor:
         """One tensor: its records read straight into place when they are
@@ -54,6 +58,9 @@ class NativeCheckpoint:
         tensor = torch.empty(info.shape, dtype=info.dtype)
         try:
             self._read_records(key, tensor)
+        except _Corrupt as e:
+            what = f"native checkpoint {self.path}"
+            raise ConversionError(what, [f"{key}: {e}"]) from None
         except _NotPlain:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "no process group": one reader
@@ -86,6 +93,30 @@ class NativeCheckpoint:
                 sizes,
                 flat[start : start + nbytes],
             )
+
+
+def _missing_data(path: Path, metadata) -> list[str]:
+    """Data files the metadata names that are missing or shorter than the
+    records it places in them (a truncated or partial checkpoint)."""
+    needed: dict[str, int] = {}
+    for where in metadata.storage_data.values():
+        end = where.offset + where.length
+        needed[where.relative_path] = max(needed.get(where.relative_path, 0), end)
+    problems = []
+    for name, end in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"data file {name} is missing")
+        elif file.stat().st_size < end:
+            problems.append(
+                f"data file {name} is truncated ({file.stat().st_size} bytes, "
+                f"its records need {end})"
+            )
+    return problems
+
+
+class _Corrupt(Exception):
+    """A record whose bytes do not match the checksum stored with them."""
 
 
 class _NotPlain(Exception):
@@ -125,9 +156,14 @@ def _read_record(path: Path, offset: int, length: int, sizes, out: torch.Tensor)
         ):
             raise _NotPlain
         f.seek(_data_start(f, offset, info))
+        data = memoryview(out.numpy())
         # pyrefly: ignore[bad-argument-type]  # numpy arrays are buffers
-        if f.readinto(memoryview(out.numpy())) != out.numel():
+        if f.readinto(data) != out.numel():
             raise _NotPlain
+        # torch.save records a CRC32 per member (titan-npu's own conversions
+        # write none, 0): a mismatch is a corrupted data file.
+        if info.CRC and zlib.crc32(data) != info.CRC:
+            raise _Corrupt(f"data file {path.name} fails its CRC32 check (corrupted)")
 
 
 def _data_start(f, offset: int, info: zipfile.ZipInfo) -> int:
