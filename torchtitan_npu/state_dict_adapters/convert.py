@@ -125,10 +125,9 @@ def from_hf(
     if fp8 is not None:
         record["fp8_weights"] = quantization.key_patterns(source.quantized)
     start = time.perf_counter()
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out) as tmp, bar:
         write_native(tmp, layout, make)
         _provenance(tmp, model, flavor, era, hf_dir, **record)
-    bar.done()
     nbytes = sum(i.nbytes for i in layout.values())
     return Result(Path(out), flavor, len(layout), nbytes, time.perf_counter() - start)
 
@@ -223,7 +222,7 @@ def to_hf(
     total = sum(i.nbytes for _, i in plan)
     bar = Progress("to-hf", total, progress)
     start = time.perf_counter()
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out) as tmp, bar:
         writer = ShardedWriter(tmp, plan, limit)
         for g in groups:
             tensor = source.read(g.native)
@@ -242,7 +241,6 @@ def to_hf(
         if tokenizer is not None:
             _copy_tokenizer(Path(tokenizer), tmp)
         _provenance(tmp, model, flavor, era, checkpoint)
-    bar.done()
     return Result(Path(out), flavor, len(plan), total, time.perf_counter() - start)
 
 
@@ -439,7 +437,7 @@ def atomic_dir(out: str | Path) -> Iterator[Path]:
             if out.exists():
                 out.rmdir()
             tmp.rename(out)
-    except Exception:
+    except BaseException:  # DCP wraps errors in a BaseException
         if _STOP.signum is not None:  # whatever the writer made of it
             raise Interrupted(_STOP.signum, f"writing {out}") from None
         raise
@@ -504,7 +502,8 @@ def check_stop() -> None:
 
 
 class Progress:
-    """A one-line progress bar on stderr (bytes, GB/s)."""
+    """A one-line progress bar on stderr (bytes, GB/s), for a ``with`` block:
+    completed at its end, or its line ended when the block fails."""
 
     def __init__(self, label: str, total: int, enabled: bool):
         self.label, self.total, self.enabled = label, max(total, 1), enabled
@@ -518,10 +517,17 @@ class Progress:
             self.shown = now
             self._print("\r")
 
-    def done(self) -> None:
-        if self.enabled:
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if not self.enabled:
+            return
+        if kind is None:
             self._print("\r")
             sys.stderr.write("\n")
+        elif self.shown:
+            sys.stderr.write("\n")  # the error's line is its own
 
     def _print(self, prefix: str) -> None:
         seconds = max(time.perf_counter() - self.start, 1e-9)
