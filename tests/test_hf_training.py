@@ -80,3 +80,52 @@ def test_hf_save_and_load_in_training(tmp_path):
     for run, path in (("c", saved_hf), ("d", tmp_path / "imported")):
         log = (tmp_path / f"{run}.log").read_text()
         assert f"Loading the checkpoint from {path}" in log, run
+
+
+# Which families train from their HF directory on each era (0.2.x: its MoE
+# router has no CPU kernel, torch.histc on int64; llama3 ties no weights).
+TRAIN_FROM_HF = {
+    "config_registry": ["llama3", "qwen3_moe", "deepseek_v3"],
+    "trainspec": ["llama3", "qwen2"],
+}
+
+
+def _tokenizer_into(directory):
+    import shutil
+
+    from torchtitan_npu.assets import ensure_default_assets
+
+    for file in ensure_default_assets().tokenizer_path.iterdir():
+        shutil.copy2(file, directory / file.name)
+
+
+@pytest.mark.parametrize(
+    "family", sorted({f for v in TRAIN_FROM_HF.values() for f in v})
+)
+def test_train_from_hf_directory(family, tmp_path):
+    """`--model.flavor hf --model.hf_assets_path DIR`: the architecture from
+    DIR/config.json, the weights from DIR (FP8: converted first), the tokenizer
+    from DIR; the loss falls."""
+    from hf_families import ERA, write_deepseek_fp8_with_mtp, write_hf
+    from support import assert_loss_falls
+
+    if family not in TRAIN_FROM_HF[ERA]:
+        pytest.skip(f"{family} does not train from HF on CPU in era {ERA}")
+    hf_dir = tmp_path / "hf"
+    load = []
+    if family == "deepseek_v3":  # FP8 + MTP: training reads the conversion
+        hf_dir.mkdir()
+        write_deepseek_fp8_with_mtp(hf_dir)
+        convert.from_hf(hf_dir, tmp_path / "dcp", "deepseek_v3", progress=False)
+        load = ["--checkpoint.initial_load_path", str(tmp_path / "dcp")]
+    else:
+        write_hf(hf_dir, family)
+    _tokenizer_into(hf_dir)
+    scalars = train(
+        tmp_path / "run", "--model.flavor", "hf", "--model.hf_assets_path",
+        str(hf_dir), *load, "--optimizer.lr", "3e-3", steps=4,
+    )  # fmt: skip
+    assert_loss_falls(scalars)
+    (log,) = (tmp_path / "run" / "logs").glob("*/launcher.log")
+    loaded = load[-1] if load else hf_dir
+    assert f"Loading the checkpoint from {loaded}" in log.read_text()

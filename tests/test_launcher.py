@@ -33,6 +33,12 @@ BAD_INPUTS = [
     ),
     (["--training.dataset_path", "/no/such/data"], "training.dataset is 'embedded'"),
     (["--checkpoint.initial_load_path", "/no/such/ckpt"], "/no/such/ckpt does not"),
+    (["--checkpoint.initial_load_path", "/"], "checkpoint.enable is false"),
+    (["--model.flavor", "hf"], "model.flavor hf reads the architecture"),
+    (
+        ["--model.flavor", "hf", "--model.hf_assets_path", "/"],
+        " /config.json does not exist",
+    ),
     (["--model.name", "nosuch"], "unknown model 'nosuch'"),
     (["--model.flavor", "nosuch"], "has no flavor 'nosuch'"),
     (["--training.bogus_key", "1"], "'training.bogus_key' has no counterpart"),

@@ -49,6 +49,35 @@ def matrix_data(workdir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_checkpoint(workdir) -> tuple[Path, Path]:
+    """(HF directory, its conversion): a llama of no registered size written
+    by transformers, with the embedded tokenizer, converted by from-hf."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from torchtitan_npu.state_dict_adapters import convert
+
+    hf_dir = workdir / "hf-llama"
+    config = transformers.LlamaConfig(
+        vocab_size=2048, hidden_size=192, intermediate_size=512,
+        num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=2048,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    )  # fmt: skip
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(hf_dir)
+    for file in ensure_default_assets().tokenizer_path.iterdir():
+        shutil.copy2(file, hf_dir / file.name)
+    converted = workdir / "hf-llama-dcp"
+    convert.from_hf(hf_dir, converted, "llama3", progress=False)
+    return hf_dir, converted
+
+
+@pytest.fixture(scope="session")
 def results(request):
     cells: list[dict] = []
     yield cells

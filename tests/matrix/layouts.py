@@ -198,4 +198,10 @@ LAYOUTS += [
     ),
 ]
 
+# A user's own HF checkpoint: a llama of no registered size (flavor ``hf``,
+# derived from its config.json), converted from transformers' files and
+# fine-tuned; its seed is that conversion (conftest.hf_checkpoint).
+HF_FLAVOR = {"model.name": "llama3", "model.flavor": "hf"}
+LAYOUTS += [Layout("hf_finetune", 2, {**_degrees(dp_shard=2), **HF_FLAVOR})]
+
 BY_NAME = {layout.name: layout for layout in LAYOUTS}

@@ -25,6 +25,7 @@ one seed checkpoint and on data every layout shares:
 """
 
 import time
+from pathlib import Path
 
 import pytest
 from support import SMALL_RUN, copy_checkpoint
@@ -38,7 +39,10 @@ STEPS, CHECKPOINT_STEP = 4, 2
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 3e-4
 
 
-def common_args(matrix_data, seed_dump) -> list[str]:
+def common_args(matrix_data, seed: tuple[Path, list[str]]) -> list[str]:
+    """Every launch's settings: the data, steps, checkpoints, and the seed
+    checkpoint (with the settings it needs) the run starts from."""
+    checkpoint, seed_args = seed
     return [
         *SMALL_RUN,
         "--training.steps", str(STEPS),
@@ -46,18 +50,24 @@ def common_args(matrix_data, seed_dump) -> list[str]:
         "--training.dataset_path", str(matrix_data),
         "--checkpoint.enable", "true",
         "--checkpoint.interval", str(CHECKPOINT_STEP),
-        "--checkpoint.initial_load_path", str(seed_dump / "checkpoint" / "step-0"),
+        "--checkpoint.initial_load_path", str(checkpoint),
         "--checkpoint.initial_load_model_only", "true",
+        *seed_args,
     ]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
-def seeds(workdir, matrix_data, launcher):
-    """seed_for(model): one single-process seed checkpoint (step-0) per
-    model, which every layout of that model starts from."""
+def seeds(workdir, matrix_data, launcher, request):
+    """seed_for(layout): (checkpoint, settings) every layout of that model
+    starts from: one single-process seed checkpoint (step-0) per model, or
+    for the HF flavor the conversion of the HF checkpoint."""
     cache = {}
 
-    def seed_for(model: str):
+    def seed_for(layout) -> tuple[Path, list[str]]:
+        model = layout.model
+        if layout.overrides.get("model.flavor") == "hf":
+            hf_dir, converted = request.getfixturevalue("hf_checkpoint")
+            return converted, ["--model.hf_assets_path", str(hf_dir)]
         if model not in cache:
             dump = workdir / ("seed" if model == "llama3" else f"seed-{model}")
             args = [
@@ -69,8 +79,8 @@ def seeds(workdir, matrix_data, launcher):
                 "--training.steps", "1",
             ]  # fmt: skip
             launcher.train(dump, args, nproc=1, scalars=False)
-            cache[model] = dump
-        return cache[model]
+            cache[model] = dump / "checkpoint" / "step-0"
+        return cache[model], []
 
     return seed_for
 
@@ -88,7 +98,7 @@ def references(workdir, matrix_data, seeds, upstream, launcher):
             dump = workdir / f"single-run1{'-'.join(['', *shared[1::2]])}"
             args = [
                 *BY_NAME["single"].args(upstream.era),
-                *common_args(matrix_data, seeds(layout.model)),
+                *common_args(matrix_data, seeds(layout)),
                 *shared,
             ]
             start = time.perf_counter()
@@ -112,8 +122,7 @@ def test_cell(
         pytest.skip(f"{layout.name} on torchtitan {version}: {reason}")
 
     cell.update(status="fail", reason="a launch failed")  # until checks finish
-    seed = seeds(layout.model)
-    args = [*common_args(matrix_data, seed), *layout.args(era)]  # layout wins
+    args = [*common_args(matrix_data, seeds(layout)), *layout.args(era)]  # wins
     start = time.perf_counter()
     ref_dump, ref, ref_seconds = references(layout)
     if layout.name in ("single", "qwen2_single"):

@@ -49,7 +49,10 @@ def base_config(name: str, flavor: str) -> Any:
 
     derived = architecture.runtime_flavors(name, ERA).get(flavor)
     if derived is not None:
-        return _with_model(base_config(name, "debugmodel"), derived, flavor)
+        # the debug flavor's training setup; with MTP layers, its MTP loss
+        mtp = bool(getattr(derived, "mtp_layers", None))
+        base = base_config(name, "debugmodel_mtp" if mtp else "debugmodel")
+        return _with_model(base, derived, flavor)
     registry = find_model_module(name, ERA.value)  # the era is named after it
     if registry is None:
         raise ConfigError(
@@ -81,7 +84,9 @@ def _with_model(trainer_config: Any, model: Any, flavor: str) -> Any:
 
     spec = dataclasses.replace(trainer_config.model_spec, flavor=flavor, model=model)
     trainer_config.model_spec = spec
-    trainer_config.loss.loss_fn.global_vocab_size = decoder_vocab_size(spec)
+    loss = trainer_config.loss
+    loss = getattr(loss, "loss_fn", loss)  # a chunked loss wraps its loss
+    loss.global_vocab_size = decoder_vocab_size(spec)
     return trainer_config
 
 

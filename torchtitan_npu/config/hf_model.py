@@ -37,14 +37,14 @@ def prepare(config: dict[str, Any]) -> None:
     if not (directory / "config.json").is_file():
         raise ConfigError(
             f"model.flavor hf reads the architecture from model.hf_assets_path/"
-            f"config.json, and {directory}/config.json does not exist; set "
+            f"config.json, and {directory / 'config.json'} does not exist; set "
             "--model.hf_assets_path to a HF model directory"
         )
     hf_config = _read(directory)
     name = architecture.model_for(hf_config)
     if name is None:
         raise ConfigError(
-            f"{directory}/config.json: model_type {hf_config.get('model_type')!r} "
+            f"{directory / 'config.json'}: model_type {hf_config.get('model_type')!r} "
             "is no model titan-npu can build from config.json"
         )
     if model.get("name") != name:
@@ -70,9 +70,8 @@ def prepare(config: dict[str, Any]) -> None:
                 f"{directory} has no *.safetensors weights; set "
                 "--checkpoint.initial_load_path to a checkpoint to start from"
             )
-        checkpoint.update(
-            enable=True, initial_load_path=str(directory), initial_load_in_hf=True
-        )
+        checkpoint.update(initial_load_path=str(directory), initial_load_in_hf=True)
+    checkpoint["enable"] = True  # the weights are the point of an HF model
 
 
 def register(config: dict[str, Any], era: Era) -> None:
@@ -87,7 +86,7 @@ def register(config: dict[str, Any], era: Era) -> None:
         architecture.register(model["name"], model["hf_assets_path"], era)
     except ConversionError as e:
         raise ConfigError(
-            f"model.flavor hf from {model['hf_assets_path']}/config.json: "
+            f"model.flavor hf from {Path(model['hf_assets_path']) / 'config.json'}: "
             + "; ".join(e.problems)
         ) from None
 
@@ -98,4 +97,6 @@ def _read(directory: Path) -> dict[str, Any]:
     try:
         return architecture.read_config(directory)
     except ConversionError as e:
-        raise ConfigError(f"{directory}/config.json: {'; '.join(e.problems)}") from None
+        raise ConfigError(
+            f"{directory / 'config.json'}: {'; '.join(e.problems)}"
+        ) from None

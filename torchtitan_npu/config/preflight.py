@@ -73,11 +73,22 @@ def absolute_paths(config: dict[str, Any]) -> None:
         config[section][key] = str(path.resolve())
 
 
+def check_checkpoint(config: dict[str, Any]) -> None:
+    """A checkpoint to start from is loaded only with checkpointing on."""
+    checkpoint = config.get("checkpoint", {})
+    if checkpoint.get("initial_load_path") and not checkpoint.get("enable"):
+        raise ConfigError(
+            "checkpoint.initial_load_path is set but checkpoint.enable is false, "
+            "so nothing would be loaded; add --checkpoint.enable true"
+        )
+
+
 def check(config: dict[str, Any], *, world_size: int | None, launch: str) -> None:
     """Every check that needs no rank: layout, paths, then the era translation."""
     check_layout(config, world_size, launch)
     absolute_paths(config)
     hf_model.prepare(config)
+    check_checkpoint(config)
     from torchtitan_npu.bootstrap import activate
     from torchtitan_npu.config import era_config
     from torchtitan_npu.tools.log_noise import quiet_upstream_noise
