@@ -192,13 +192,15 @@ def matrix(session):
 
 
 # CI's share of the matrix (the full one takes ~35 min here): the llama3
-# layouts (one PP schedule, selective AC) and the core qwen2 ones on the default
-# upstream, and the core layouts on the newest of the other era (cp there is
-# the slowest cell, 2.3 min: the default upstream's cp row covers the patch).
+# layouts (one PP schedule, selective AC), the core qwen2 ones and fine-tuning
+# a user's own HF llama on the default upstream, and the core layouts on the
+# newest of the other era (cp there is the slowest cell, 2.3 min: the default
+# upstream's cp row covers the patch; qwen2 there: its pp row).
 CI_MATRIX = {
     DEFAULT: "single,ddp,fsdp,hsdp,tp,fsdp_tp,pp_1f1b,pp_fsdp,cp,fsdp_ac_selective,"
-    "qwen2_single,qwen2_fsdp,qwen2_converters_fsdp,qwen2_pp_1f1b,converters_fsdp_tp",
-    "0.2.2": "single,ddp,fsdp,tp,pp_1f1b,qwen2_fsdp,qwen2_pp_1f1b,converters_fsdp",
+    "qwen2_single,qwen2_fsdp,qwen2_converters_fsdp,qwen2_pp_1f1b,converters_fsdp_tp,"
+    "hf_finetune",
+    "0.2.2": "single,ddp,fsdp,tp,pp_1f1b,qwen2_pp_1f1b,converters_fsdp",
 }
 
 
