@@ -95,7 +95,12 @@ def layout_of(module: torch.nn.Module) -> dict[str, TensorInfo]:
 
 
 def native_layout(model: str, args: Any, era: Era) -> dict[str, TensorInfo]:
-    return layout_of(build_meta(model, args, era))
+    return describe(model, args, era)[0]
+
+
+# describe() per (model, era, repr(args)): a conversion asks about the same
+# args several times, and building a large model, even on meta, takes time.
+_DESCRIBED: dict[tuple[str, Era, str], tuple[dict[str, TensorInfo], bool]] = {}
 
 
 def describe(model: str, args: Any, era: Era) -> tuple[dict[str, TensorInfo], bool]:
@@ -104,6 +109,16 @@ def describe(model: str, args: Any, era: Era) -> tuple[dict[str, TensorInfo], bo
     Tying is read from the built model, not the args: 0.2.1's qwen3 has
     ``enable_weight_tying`` in its args but builds separate weights.
     """
+    key = (model, era, repr(args))
+    if key not in _DESCRIBED:
+        if len(_DESCRIBED) >= 16:
+            _DESCRIBED.pop(next(iter(_DESCRIBED)))
+        _DESCRIBED[key] = _describe(model, args, era)
+    layout, tied = _DESCRIBED[key]
+    return dict(layout), tied
+
+
+def _describe(model: str, args: Any, era: Era) -> tuple[dict[str, TensorInfo], bool]:
     module = build_meta(model, args, era)
     params = dict(module.named_parameters(remove_duplicate=False))
     embedding = params.get("tok_embeddings.weight")
