@@ -5,6 +5,8 @@ like HF), each step runs in a fresh interpreter (so peak RSS is its own):
 
 - raw floor: read every tensor with safetensors, write it back unchanged;
 - titan-npu from-hf (HF -> DCP) and to-hf (DCP -> HF);
+- the same model in DeepSeek's block-wise FP8 (128 x 128 scales on every
+  linear weight): its raw floor, and from-hf dequantizing it to bf16;
 - upstream torchtitan's path: DCP with its HuggingFaceStorageReader / Writer
   and upstream's own Qwen3StateDictAdapter (what its conversion scripts do).
 
@@ -91,13 +93,63 @@ def make_source(work: Path) -> None:
     (src / "config.json").write_text(json.dumps(config))
 
 
-def step_raw(work: Path) -> None:
+def make_fp8_source(work: Path) -> None:
+    """The bf16 source with its 2-D linear weights in block-wise FP8."""
     from safetensors.torch import load_file, save_file
 
-    out = work / "raw"
+    from torchtitan_npu.state_dict_adapters import quantization
+
+    src, out = work / "hf", work / "hf-fp8"
     out.mkdir()
-    for file in sorted((work / "hf").glob("*.safetensors")):
+    for file in sorted(src.glob("*.safetensors")):
+        tensors = {}
+        for key, tensor in load_file(file).items():
+            if key.endswith("_proj.weight"):
+                values, scale = quantization.quantize(tensor, (128, 128))
+                tensors[key], tensors[key + quantization.SCALE_SUFFIX] = values, scale
+            else:
+                tensors[key] = tensor
+        save_file(tensors, out / file.name, metadata={"format": "pt"})
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    for key, name in list(index["weight_map"].items()):
+        if key.endswith("_proj.weight"):
+            index["weight_map"][key + quantization.SCALE_SUFFIX] = name
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def _raw_copy(source: Path, out: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for file in sorted(source.glob("*.safetensors")):
         save_file(load_file(file), out / file.name, metadata={"format": "pt"})
+
+
+def step_raw(work: Path) -> None:
+    _raw_copy(work / "hf", work / "raw")
+
+
+def step_raw_fp8(work: Path) -> None:
+    _raw_copy(work / "hf-fp8", work / "raw-fp8")
+
+
+def step_from_hf_fp8(work: Path) -> None:
+    import torch
+
+    from torchtitan_npu.state_dict_adapters import convert
+
+    convert.from_hf(
+        work / "hf-fp8", work / "ours-dcp-fp8", MODEL, FLAVOR,
+        dtype=torch.bfloat16, progress=False,
+    )  # fmt: skip
 
 
 def step_from_hf(work: Path) -> None:
@@ -152,7 +204,15 @@ STEPS = {
     "upstream from-hf (DCP + HF reader)": (step_upstream_from_hf, "hf"),
     "titan-npu to-hf (DCP -> HF)": (step_to_hf, "ours-dcp"),
     "upstream to-hf (DCP + HF writer)": (step_upstream_to_hf, "ours-dcp"),
+    "raw floor, FP8 files (safetensors read + write)": (step_raw_fp8, "hf-fp8"),
+    "titan-npu from-hf, FP8 -> bf16 (dequantized)": (step_from_hf_fp8, "hf-fp8"),
 }
+# Each step's raw floor (x floor): the FP8 steps against the FP8 files.
+FLOOR = {name: "raw floor (safetensors read + write)" for name in STEPS}
+for name in ("raw floor, FP8 files", "titan-npu from-hf, FP8 -> bf16"):
+    FLOOR[next(n for n in STEPS if n.startswith(name))] = (
+        "raw floor, FP8 files (safetensors read + write)"
+    )
 
 
 def child(name: str, work: Path) -> None:
@@ -177,11 +237,14 @@ def child(name: str, work: Path) -> None:
 def main() -> None:
     keep = len(sys.argv) > 1  # a given WORKDIR keeps the source checkpoint
     work = Path(sys.argv[1]) if keep else Path(tempfile.mkdtemp())
+    sources = ("hf", "hf-fp8")
     for stale in work.glob("*"):
-        if stale.name != "hf":
+        if stale.name not in sources:
             shutil.rmtree(stale)
     if not (work / "hf").exists():
         make_source(work)
+    if not (work / "hf-fp8").exists():
+        make_fp8_source(work)
     total = sum(f.stat().st_size for f in (work / "hf").glob("*.safetensors"))
     _, _, layout = native_layout()
     largest = max(i.nbytes for i in layout.values()) / 2**20
@@ -201,14 +264,14 @@ def main() -> None:
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             if not name.endswith("(HF -> DCP)"):  # ours-dcp feeds the to-hf steps
                 for made in work.glob("*"):
-                    if made.name not in ("hf", "ours-dcp"):
+                    if made.name not in (*sources, "ours-dcp"):
                         shutil.rmtree(made)
         shutil.rmtree(work / "ours-dcp")
     rows = [
         (name, min(r, key=lambda x: x["seconds"]) | {"peak": max(x["peak"] for x in r)})
         for name, r in runs.items()
     ]
-    floor = total / 1e9 / rows[0][1]["seconds"]
+    seconds = {name: r["seconds"] for name, r in rows}
     print(
         f"\ncheckpoint: {MODEL} {FLAVOR} bf16, {total / 1e9:.2f} GB, shards of {SHARD}"
     )
@@ -220,12 +283,14 @@ def main() -> None:
     for name, r in rows:
         gbs = total / 1e9 / r["seconds"]
         growth = r["peak"] - r["baseline"]
+        floor = seconds[FLOOR[name]] / r["seconds"]
         print(
-            f"| {name} | {r['seconds']:.2f} | {gbs:.2f} | {gbs / floor:.2f} | "
+            f"| {name} | {r['seconds']:.2f} | {gbs:.2f} | {floor:.2f} | "
             f"{r['peak']:.0f} | {growth:.0f} | {growth / largest:.2f} |"
         )
+    print("\n(GB/s: of the bf16 model's bytes; x floor: against the step's own floor)")
     for out in work.glob("*"):
-        if out.name != "hf" or not keep:
+        if out.name not in sources or not keep:
             shutil.rmtree(out)
 
 
