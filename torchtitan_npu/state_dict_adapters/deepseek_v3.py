@@ -404,6 +404,7 @@ def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
         rope=rope,
     )
     config.mtp_layers = upstream._build_mtp_layers(
+        # pyrefly: ignore[bad-argument-type]  # the builder's layers are MLA blocks
         config.layers[-1],
         dim=dim,
         num_mtp_layers=hf.get("num_nextn_predict_layers") or 0,

@@ -156,8 +156,8 @@ def _read_record(path: Path, offset: int, length: int, sizes, out: torch.Tensor)
         ):
             raise _NotPlain
         f.seek(_data_start(f, offset, info))
-        data = memoryview(out.numpy())
         # pyrefly: ignore[bad-argument-type]  # numpy arrays are buffers
+        data = memoryview(out.numpy())
         if f.readinto(data) != out.numel():
             raise _NotPlain
         # torch.save records a CRC32 per member (titan-npu's own conversions

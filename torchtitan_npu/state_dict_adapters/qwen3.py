@@ -183,6 +183,7 @@ def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
             moe_comm_backend="standard",  # model_registry's default
         )
         for layer in config.layers:
+            assert layer.moe is not None  # every layer of the MoE builder's
             layer.moe.router.route_norm = bool(hf["norm_topk_prob"])
     else:
         config.layers = upstream._build_qwen3_layers(
