@@ -48,8 +48,8 @@ def prepare(config: dict[str, Any]) -> None:
             "is no model titan-npu can build from config.json"
         )
     if model.get("name") != name:
-        print(f"titan-npu: model.name {name} (config.json model_type "
-              f"{hf_config.get('model_type')!r})", flush=True)  # fmt: skip
+        model_type = hf_config.get("model_type")
+        print(f"titan-npu: model.name {name} (model_type {model_type!r})", flush=True)
         model["name"] = name
     if not any((directory / f).is_file() for f in TOKENIZER_FILES):
         raise ConfigError(

@@ -8,7 +8,7 @@ model: a checkpoint with another ``rms_norm_eps``, RoPE scaling or tying than
 a registered flavor derives its own flavor, ``hf``, at run time.
 
 ``register`` makes the derived flavor trainable: ``titan-npu train
---model.flavor hf --model.hf_assets_path DIR`` (see ``config/schema.py``).
+--model.flavor hf --model.hf_assets_path DIR`` (see ``config/hf_model.py``).
 """
 
 from __future__ import annotations
@@ -57,9 +57,16 @@ INERT = frozenset(
 
 
 def with_defaults(model: str, hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """config.json with the HF class defaults of the fields it omits."""
+    """config.json with the HF class defaults of the fields it omits (and
+    ``rope_scaling`` of type "default", which scales nothing, as none)."""
     adapter = get_adapter(model)
     filled = {**adapter.hf_defaults, **hf_config}
+    scaling = filled.get("rope_scaling")
+    if isinstance(scaling, Mapping) and _normalized(scaling).get("rope_type") in (
+        "default",
+        None,
+    ):
+        filled["rope_scaling"] = None
     if filled.get("num_key_value_heads") is None and "num_attention_heads" in filled:
         filled["num_key_value_heads"] = filled["num_attention_heads"]
     if "head_dim" in filled and filled["head_dim"] is None and "hidden_size" in filled:
