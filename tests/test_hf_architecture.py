@@ -41,12 +41,25 @@ def tolerance(family: str) -> float:
     return 1e-3 if family in MOE else 1e-4
 
 
+# What some locked releases cannot build, refused by name there: 0.2.0 and
+# 0.2.1's qwen3 declares tying but builds separate weights; 0.2.0's
+# deepseek_v3 has no expert groups.
+RELEASE_LIMITS = ("builds no tied weights", "has no expert groups")
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     family = request.param
+    model = MODEL.get(family, family)
     path = tmp_path_factory.mktemp(family) / "hf"
     hf = write_hf(path, family)
-    return family, MODEL.get(family, family), path, hf
+    try:
+        architecture.derive(model, json.loads((path / "config.json").read_text()), ERA)
+    except ConversionError as e:
+        if not any(limit in str(e) for limit in RELEASE_LIMITS):
+            raise
+        pytest.skip(f"refused by name on this release: {e}")
+    return family, model, path, hf
 
 
 def test_import_derives_the_flavor_and_matches_transformers(checkpoint, tmp_path):

@@ -89,7 +89,12 @@ def problems(
         if key in INERT or key == "quantization_config":  # see quantization.py
             continue
         if key in native:
-            if not _same(value, native[key]):
+            if key == "tie_word_embeddings" and value and not native[key]:
+                found.append(
+                    "config.json tie_word_embeddings=True: this torchtitan's "
+                    f"{model} builds no tied weights"
+                )
+            elif not _same(value, native[key]):
                 found.append(
                     f"config.json {key}={value!r}, the native model has {native[key]!r}"
                 )

@@ -312,7 +312,10 @@ def _trainspec_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
     )
     if shape["num_expert_groups"] is not None:
         if "num_expert_groups" not in {f.name for f in dataclasses.fields(MoEArgs)}:
-            problems.append("config.json n_group: this torchtitan has no expert groups")
+            problems.append(
+                f"config.json n_group={shape['num_expert_groups']}: this torchtitan's "
+                "deepseek_v3 has no expert groups"
+            )
         moe.update(
             num_expert_groups=shape["num_expert_groups"],
             num_limited_groups=shape["num_limited_groups"],
