@@ -245,6 +245,10 @@ def test_deepseek_mtp_needs_skip_mtp_before_0_3(deepseek_fp8, tmp_path):
         path, tmp_path / "b", "deepseek_v3", skip_mtp=True, progress=False
     )
     assert result.flavor == architecture.HF_FLAVOR
+    # the export knows the architecture as imported: without the MTP layer
+    convert.to_hf(tmp_path / "b", tmp_path / "c", "deepseek_v3", progress=False)
+    config = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 0
 
 
 def _edited_copy(source, target, *, config=None, drop=()):

@@ -121,7 +121,7 @@ def from_hf(
         bar.advance(tensor.nbytes)
         return tensor
 
-    record: dict[str, Any] = {"hf_config": source.config}
+    record: dict[str, Any] = {"hf_config": hf_config}  # as imported (--skip-mtp)
     if fp8 is not None:
         record["fp8_weights"] = quantization.key_patterns(source.quantized)
     start = time.perf_counter()
