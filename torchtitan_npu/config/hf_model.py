@@ -47,10 +47,7 @@ def prepare(config: dict[str, Any]) -> None:
             f"{directory / 'config.json'}: model_type {hf_config.get('model_type')!r} "
             "is no model titan-npu can build from config.json"
         )
-    if model.get("name") != name:
-        model_type = hf_config.get("model_type")
-        print(f"titan-npu: model.name {name} (model_type {model_type!r})", flush=True)
-        model["name"] = name
+    model["name"] = name  # the resolved config (titan_npu_config.json) says so
     if not any((directory / f).is_file() for f in TOKENIZER_FILES):
         raise ConfigError(
             f"{directory} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy "
