@@ -18,6 +18,9 @@ ROOT = Path(__file__).parent
 LOCK = tomllib.loads((ROOT / "upstream.lock").read_text())["upstream"]
 VERSIONS = [entry["version"] for entry in LOCK]
 DEFAULT = next(entry["version"] for entry in LOCK if entry["default"])
+# The matrix's `upgrade` cell: the newest entry of the other era -> DEFAULT.
+_DEFAULT_ERA = next(e["era"] for e in LOCK if e["version"] == DEFAULT)
+UPGRADE_FROM = next(e["version"] for e in LOCK if e["era"] != _DEFAULT_ERA)
 
 # `tests` covers the default upstream in the locked env; `upstream` the others.
 nox.options.sessions = [
@@ -199,7 +202,7 @@ def matrix(session):
 CI_MATRIX = {
     DEFAULT: "single,ddp,fsdp,hsdp,tp,fsdp_tp,pp_1f1b,pp_fsdp,cp,fsdp_ac_selective,"
     "qwen2_single,qwen2_fsdp,qwen2_converters_fsdp,qwen2_pp_1f1b,converters_fsdp_tp,"
-    "hf_finetune",
+    "hf_finetune,resume_fsdp_to_single,resume_fsdp_to_fsdp_tp,upgrade",
     "0.2.2": "single,ddp,fsdp,tp,pp_1f1b,qwen2_pp_1f1b,converters_fsdp",
 }
 
@@ -213,13 +216,19 @@ def matrix_ci(session):
 def run_matrix(session: nox.Session, layouts: dict[str, str], args: list[str]):
     out = ROOT / "outputs" / "matrix"
     (out / "work").mkdir(parents=True, exist_ok=True)
+    envs = {v: upstream_env(session, v) for v in layouts}
     for version, chosen in layouts.items():
-        env = upstream_env(session, version)
+        env, more = envs[version], []
+        if version == DEFAULT and (chosen == "all" or "upgrade" in chosen.split(",")):
+            older = envs.get(UPGRADE_FROM) or upstream_env(session, UPGRADE_FROM)
+            more = ["--upgrade-from", str(older / "bin" / "python")]
         session.run(
             env / "bin" / "pytest", "tests/matrix", "-m", "matrix",
             "--layout", chosen,
             "--matrix-results", str(out / "results" / f"{version}.json"),
             "--basetemp", str(out / "work" / version),
+            "--tb=short",  # the rank's error, not pages of launcher source
+            *more,
             *args,
             external=True,
             success_codes=[0, 1],  # a red cell is reported in the table below

@@ -13,6 +13,9 @@ from torchtitan_npu.compat import resolve_upstream  # noqa: E402
 def pytest_addoption(parser):
     parser.addoption("--layout", default="all", help="matrix: comma-separated layouts")
     parser.addoption("--matrix-results", help="matrix: write cell results (JSON) here")
+    parser.addoption(
+        "--upgrade-from", help="matrix upgrade cell: the older upstream's python"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

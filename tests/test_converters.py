@@ -31,7 +31,15 @@ from torchtitan_npu.converters.registry import ConverterError
 from torchtitan_npu.overlay import OVERLAY
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 
-MODELS = ["llama3", "qwen3", "deepseek_v3", "qwen2"]  # qwen2: 0.3.x only
+MODELS = ["llama3", "qwen3", "qwen3_moe", "deepseek_v3", "qwen2"]  # qwen2: 0.3.x only
+# A test model name -> (upstream model, flavor): qwen3's MoE debug flavor.
+FLAVORS = {"qwen3_moe": ("qwen3", "debugmodel_moe")}
+
+
+def model_and_flavor(name: str) -> tuple[str, str]:
+    return FLAVORS.get(name, (name, "debugmodel"))
+
+
 NAMES = ["rms_norm", "rope", "attention", "swiglu", "grouped_mm", "token_permute"]
 TOLERANCE = 1e-5  # fp32; only attention (SDPA vs FlexAttention) is not bit-exact
 
@@ -59,9 +67,10 @@ def converted_class(cls, replacement, name, device_type, era):
     )
 
 
-def converted_model(model: str, names: list[str], era: str, device_type="cpu"):
+def converted_model(name: str, names: list[str], era: str, device_type="cpu"):
     """The debug model with ``names`` applied the era's way, and the counts."""
-    args = copy.deepcopy(um.model_args(model, "debugmodel", era))
+    model, flavor = model_and_flavor(name)
+    args = copy.deepcopy(um.model_args(model, flavor, era))
     if era == "trainspec":
         module = native_model(model, args, era)
         _, counts = converters.apply_named(
@@ -108,18 +117,19 @@ def reference(era):
     """Each model unconverted: state dict, logits, gradients."""
     cache = {}
 
-    def get(model):
-        if model not in cache:
-            module = native_model(model, um.model_args(model, "debugmodel", era), era)
-            cache[model] = (module.state_dict(), *forward_backward(module, era))
-        return cache[model]
+    def get(name):
+        if name not in cache:
+            model, flavor = model_and_flavor(name)
+            module = native_model(model, um.model_args(model, flavor, era), era)
+            cache[name] = (module.state_dict(), *forward_backward(module, era))
+        return cache[name]
 
     return get
 
 
 def runs_forward(model: str, era: str) -> bool:
     # 0.2.x's MoE router calls torch.histc on int64, which has no CPU kernel.
-    return not (era == "trainspec" and model == "deepseek_v3")
+    return not (era == "trainspec" and model in ("deepseek_v3", "qwen3_moe"))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -128,12 +138,14 @@ def test_converted_model_matches_upstream(model, name, era, reference):
     converter = converters.get(name)
     if not converter.models(era):
         pytest.skip(f"{name} is not available in this era")
-    if model not in converter.models(era):
+    if model_and_flavor(model)[0] not in converter.models(era):
         pytest.skip(f"{name} does not apply to {model} (no such layers)")
     if not runs_forward(model, era):
-        pytest.skip("0.2.x deepseek_v3 cannot run forward on CPU (torch.histc int64)")
+        pytest.skip("0.2.x MoE cannot run forward on CPU (torch.histc int64)")
     if name in ("grouped_mm", "token_permute") and model == "qwen3":
-        pytest.skip("qwen3 debugmodel is dense; see test_replaced_nothing_warns")
+        pytest.skip("qwen3 debugmodel is dense (qwen3_moe covers these)")
+    if model == "qwen3_moe" and name not in ("grouped_mm", "token_permute"):
+        pytest.skip("qwen3's dense layers: the qwen3 rows cover them")
     module, (count,) = converted_model(model, [name], era)
     assert count > 0
     assert name in converter_names(module) or (

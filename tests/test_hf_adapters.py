@@ -279,7 +279,10 @@ def test_wrong_model_unreadable_path_and_existing_output(llama_hf, tmp_path):
     (tmp_path / "file").unlink()
     with pytest.raises(ConversionError, match="'llama' is not a qwen3 checkpoint"):
         convert.from_hf(llama_hf, tmp_path / "c", "qwen3", FLAVOR)
-    with pytest.raises(ConversionError, match="not a DCP"):
+    with pytest.raises(
+        ConversionError,
+        match=r"an HF checkpoint \(\*\.safetensors\): titan-npu convert from-hf",
+    ):
         convert.to_hf(llama_hf, tmp_path / "d", "llama3")
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "keep").write_text("x")

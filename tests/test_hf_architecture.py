@@ -318,3 +318,19 @@ def test_bad_hf_inputs_are_one_line_and_write_nothing(deepseek_fp8, tmp_path):
             _edited_copy(source, case / "hf", **edit), model, match, case
         )
         print(message)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_is_the_float32_product_for_every_fp8_code(dtype):
+    from torchtitan_npu.state_dict_adapters import quantization
+
+    block = (16, 32)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(40, 3)[:, :700]  # ragged
+    weight = codes.view(quantization.FP8)
+    grid = (-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1]))
+    scale = torch.rand(grid, generator=torch.Generator().manual_seed(0)) + 0.5
+    full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    expected = (weight.to(torch.float32) * full[:40, :700]).to(dtype)
+    got = quantization.dequantize(weight, scale, block, dtype)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(bits), expected.view(bits))  # NaN codes included

@@ -41,6 +41,8 @@ BAD_INPUTS = [
     ),
     (["--model.name", "nosuch"], "unknown model 'nosuch'"),
     (["--model.flavor", "nosuch"], "has no flavor 'nosuch'"),
+    (["--model.flavor", "debugmdl"], "(did you mean 'debugmodel'?); known flavors"),
+    (["--model.name", "qwen"], "(did you mean 'qwen3'?); known models: ["),
     (["--training.bogus_key", "1"], "'training.bogus_key' has no counterpart"),
     (["--config", "/no/such.toml"], "train config /no/such.toml does not exist"),
     (["--training.steps", "3", "stray"], "expected a --section.key override"),
@@ -66,6 +68,48 @@ def test_bad_input_is_one_line_before_launch(
     assert problem in lines[0], lines[0]
     assert not dump.exists(), "nothing may be left behind"
     assert not captured.out
+
+
+def _other_era_checkpoint(path: Path) -> None:
+    """A DCP checkpoint with the native names of the era not installed."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_npu.state_dict_adapters import convert
+
+    names = {
+        "trainspec": ["lm_head.weight", "layers.0.attention.qkv_linear.wq.weight"],
+        "config_registry": ["output.weight", "layers.0.attention.wq.weight"],
+    }[convert.current_era()]
+    dcp.save({k: torch.zeros(2, 2) for k in names}, checkpoint_id=str(path))
+
+
+@pytest.mark.parametrize("how", ["initial_load_path", "resume", "unfinished"])
+def test_a_checkpoint_that_cannot_load_is_refused_before_launch(
+    how, tmp_path, capsys, deactivate_after
+):
+    dump = tmp_path / "run"
+    args = ["--checkpoint.enable", "true"]
+    if how == "initial_load_path":
+        _other_era_checkpoint(tmp_path / "old")
+        args += ["--checkpoint.initial_load_path", str(tmp_path / "old")]
+        problem = "has the parameter names of torchtitan "
+    elif how == "resume":
+        _other_era_checkpoint(dump / "checkpoint" / "step-3")
+        problem = "has the parameter names of torchtitan "
+    else:
+        (tmp_path / "cut").mkdir()
+        (tmp_path / "cut" / "__0_0.distcp").write_bytes(b"x")
+        args += ["--checkpoint.initial_load_path", str(tmp_path / "cut")]
+        problem = "an unfinished save"
+    code = main(["train", "--job.dump_folder", str(dump), *args])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith("titan-npu: error: "), lines
+    assert problem in lines[0], lines[0]
+    if how != "unfinished":
+        assert "titan-npu checkpoint migrate " in lines[0]
+    assert not (dump / "logs").exists()  # nothing launched
 
 
 def test_process_counts():

@@ -1,4 +1,5 @@
-"""``titan-npu``: train | convert | doctor | compat | loss-compare.
+"""``titan-npu``: train | convert | checkpoint | models | doctor | compat |
+loss-compare.
 
 Importing this module (and ``titan-npu --help``) must not import torch.
 """
@@ -8,6 +9,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from torchtitan_npu.errors import CLI_ERRORS
@@ -87,6 +89,12 @@ def _doctor(args: argparse.Namespace, rest: list[str]) -> int:
     return run()
 
 
+def _models(args: argparse.Namespace, rest: list[str]) -> int:
+    from torchtitan_npu.tools.models import main
+
+    return main()
+
+
 def _compat_check(args: argparse.Namespace, rest: list[str]) -> int:
     from torchtitan_npu.tools.compat_tool import check_installed
 
@@ -114,19 +122,25 @@ def _loss_compare(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _convert(args: argparse.Namespace, rest: list[str]) -> int:
+    return _interruptible(lambda: _run_convert(args), "convert", args.out)
+
+
+def _interruptible(run: Callable[[], int], what: str, out: str) -> int:
+    """run() with Ctrl-C / SIGTERM as one line: writing stops at the next
+    tensor and leaves no OUT (atomic_dir)."""
     import signal
 
     from torchtitan_npu.errors import Interrupted
 
     def stop(signum, frame):  # while planning; writing defers to the next tensor
-        raise Interrupted(signum, "convert")
+        raise Interrupted(signum, what)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop)
     try:
-        return _run_convert(args)
+        return run()
     except Interrupted as e:
-        print(f"titan-npu: error: {e}; {args.out} was not written", file=sys.stderr)
+        print(f"titan-npu: error: {e}; {out} was not written", file=sys.stderr)
         return 128 + e.signum
 
 
@@ -157,6 +171,35 @@ def _run_convert(args: argparse.Namespace) -> int:
         f"{result.seconds:.1f} s); {hint}"
     )
     return 0
+
+
+def _checkpoint_migrate(args: argparse.Namespace, _: list[str]) -> int:
+    from torchtitan_npu.state_dict_adapters.migrate import migrate
+
+    def run() -> int:
+        result = migrate(args.source, args.out, args.to)
+        resume = f"--checkpoint.initial_load_path {result.out}"
+        if result.model_only:
+            resume = f"train from it (model only: no optimizer state saved): {resume}"
+        else:
+            resume = (
+                f"resume from it: {resume} --checkpoint.initial_load_model_only false"
+            )
+        print(
+            f"titan-npu checkpoint migrate: wrote {result.out} (era "
+            f"{result.source_era} -> torchtitan {args.to}'s names, {result.tensors} "
+            f"tensors, {result.nbytes / 1e9:.3f} GB, {result.seconds:.1f} s); data "
+            f"position: {result.data}; {resume}"
+        )
+        return 0
+
+    return _interruptible(run, "checkpoint migrate", args.out)
+
+
+def _checkpoint_inspect(args: argparse.Namespace, _: list[str]) -> int:
+    from torchtitan_npu.tools import checkpoint_inspect
+
+    return checkpoint_inspect.main(args.path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,8 +279,37 @@ def build_parser() -> argparse.ArgumentParser:
             )
         sub.set_defaults(handler=_convert)
 
+    checkpoint = commands.add_parser("checkpoint", help="native (DCP) checkpoints")
+    checkpoint_commands = checkpoint.add_subparsers(
+        dest="checkpoint_command", required=True
+    )
+    inspect = checkpoint_commands.add_parser(
+        "inspect",
+        help="era, model, step, layout, sizes and training state, from metadata",
+    )
+    inspect.add_argument("path", metavar="DIR", help="a DCP checkpoint directory")
+    inspect.set_defaults(handler=_checkpoint_inspect)
+    migrate = checkpoint_commands.add_parser(
+        "migrate",
+        help="a checkpoint of one upstream version in another's names",
+        description=(
+            "Rename a DCP training checkpoint (model, optimizer, lr scheduler, "
+            "data position) for another locked upstream, e.g. after upgrading "
+            "0.2.2 -> 0.3.0; run it with that upstream installed."
+        ),
+    )
+    migrate.add_argument("source", metavar="SRC", help="a DCP checkpoint directory")
+    migrate.add_argument("out", metavar="OUT", help="new checkpoint directory")
+    migrate.add_argument(
+        "--to", required=True, metavar="VERSION", help="the installed upstream's"
+    )
+    migrate.set_defaults(handler=_checkpoint_migrate)
+
     doctor = commands.add_parser("doctor", help="versions, device, patch table")
     doctor.set_defaults(handler=_doctor)
+    commands.add_parser(
+        "models", help="models and flavors of the installed upstream, with sizes"
+    ).set_defaults(handler=_models)
 
     compat = commands.add_parser("compat", help="upstream.lock tools")
     compat_commands = compat.add_subparsers(dest="compat_command", required=True)

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from layouts import BY_NAME, LAYOUTS
+from layouts import BY_NAME, RESUME_BY_NAME
 
 from torchtitan_npu.assets import ensure_default_assets
 
@@ -16,15 +16,20 @@ CORPUS_COPIES = 4
 
 
 def pytest_generate_tests(metafunc):
-    if "layout" in metafunc.fixturenames:
-        chosen = metafunc.config.getoption("--layout")
-        names = [lay.name for lay in LAYOUTS] if chosen == "all" else chosen.split(",")
-        unknown = [n for n in names if n not in BY_NAME]
-        if unknown:
-            raise pytest.UsageError(
-                f"unknown layouts {unknown}; known: {list(BY_NAME)}"
-            )
-        metafunc.parametrize("layout", [BY_NAME[n] for n in names], ids=names)
+    """--layout picks cells by name: layouts, resume_X_to_Y pairs and
+    ``upgrade`` (all: every one)."""
+    chosen = metafunc.config.getoption("--layout")
+    every = [*BY_NAME, *RESUME_BY_NAME, "upgrade"]
+    names = every if chosen == "all" else chosen.split(",")
+    unknown = [n for n in names if n not in every]
+    if unknown:
+        raise pytest.UsageError(f"unknown layouts {unknown}; known: {every}")
+    for param, table in (("layout", BY_NAME), ("resume", RESUME_BY_NAME)):
+        if param in metafunc.fixturenames:
+            picked = [n for n in names if n in table]
+            metafunc.parametrize(param, [table[n] for n in picked], ids=picked)
+    if "upgrade" in metafunc.fixturenames:
+        metafunc.parametrize("upgrade", ["upgrade"] if "upgrade" in names else [])
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ translation and overlay code as `titan-npu train` runs in the ranks; fresh
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -59,13 +60,21 @@ class WarmLauncher:
         paths = [str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         multiprocessing.set_forkserver_preload(["warm_upstream"])
+        self.crashes: list[str] = []  # launches retried after a rank crashed
 
     def train(
-        self, dump_folder: Path, args: list[str], *, nproc: int, scalars: bool = True
+        self,
+        dump_folder: Path,
+        args: list[str],
+        *,
+        nproc: int,
+        scalars: bool = True,
+        retried: bool = False,
     ) -> dict | None:
         """Train with `titan-npu train` overrides; return TensorBoard scalars."""
         config = resolve(None, [*args, "--job.dump_folder", str(dump_folder)])
         dump_folder.mkdir(parents=True, exist_ok=True)
+        given = set(dump_folder.rglob("*"))  # e.g. a checkpoint to resume from
         config_file = dump_folder / "titan_npu_config.json"
         config_file.write_text(json.dumps(config))
         logs = dump_folder / "rank-logs"
@@ -85,5 +94,34 @@ class WarmLauncher:
         try:
             elastic_launch(launch, _rank_main)(str(config_file), threads)
         except ChildFailedError as e:
-            raise AssertionError(f"training failed; rank logs under {logs}\n{e}") from e
+            rank, failure = e.get_first_failure()
+            if failure.exitcode < 0 and not retried:  # killed by a signal
+                # A crash of the process, not a wrong number: once, on a busy
+                # machine, it is retried from scratch and reported.
+                self.crashes.append(f"{dump_folder.name}: {_first_error(e)}")
+                for path in sorted(set(dump_folder.rglob("*")) - given, reverse=True):
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                return self.train(
+                    dump_folder, args, nproc=nproc, scalars=scalars, retried=True
+                )
+            raise LaunchFailed(_first_error(e), logs) from e
         return read_scalars(dump_folder) if scalars else None
+
+
+class LaunchFailed(AssertionError):
+    """A rank of a launch failed; ``cause`` is its error in one line."""
+
+    def __init__(self, cause: str, logs: Path) -> None:
+        super().__init__(f"training failed: {cause}; rank logs under {logs}")
+        self.cause = cause
+
+
+def _first_error(e: ChildFailedError) -> str:
+    """The first failed rank's exception (or signal), on one line."""
+    rank, failure = e.get_first_failure()
+    message = failure.message  # the error file's {"message": ...} when there is one
+    if isinstance(message, dict):
+        message = message.get("message", message)
+    lines = [line for line in str(message).splitlines() if line.strip()]
+    first = lines[0] if lines else f"exit code {failure.exitcode}"
+    return f"rank {rank}: {first}"[:300]

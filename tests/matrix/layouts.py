@@ -205,3 +205,47 @@ HF_FLAVOR = {"model.name": "llama3", "model.flavor": "hf"}
 LAYOUTS += [Layout("hf_finetune", 2, {**_degrees(dp_shard=2), **HF_FLAVOR})]
 
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
+
+
+@dataclass(frozen=True)
+class ResumeAcross:
+    """A checkpoint saved under layout `saved`, resumed under `resumed`."""
+
+    saved: Layout
+    resumed: Layout
+
+    @property
+    def name(self) -> str:
+        return f"resume_{self.saved.name}_to_{self.resumed.name}"
+
+    @property
+    def nproc(self) -> int:
+        return self.resumed.nproc
+
+    def why_unsupported(self, *, version: str, era: str) -> str | None:
+        for layout in (self.saved, self.resumed):
+            reason = layout.why_unsupported(version=version, era=era)
+            if reason or layout.known_issue(version):
+                return f"{layout.name}: {reason or layout.known_issue(version).reason}"
+        return None
+
+
+def dp_degree(layout: Layout) -> int:
+    """The layout's data-parallel degree (replicate x shard)."""
+    o = layout.overrides
+    return int(o["parallelism.data_parallel_replicate_degree"]) * int(
+        o["parallelism.data_parallel_shard_degree"]
+    )
+
+
+RESUMES = [
+    ResumeAcross(BY_NAME[a], BY_NAME[b])
+    for a, b in [
+        ("fsdp", "single"),
+        ("fsdp", "tp"),
+        ("fsdp", "fsdp_tp"),
+        ("pp_1f1b", "fsdp"),
+        ("hsdp", "fsdp"),
+    ]
+]
+RESUME_BY_NAME = {r.name: r for r in RESUMES}

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from layouts import LAYOUTS
+from layouts import LAYOUTS, RESUMES
 
 from torchtitan_npu.tools.loss_compare import plot_runs
 from torchtitan_npu.tools.table import format_markdown_table
@@ -29,14 +29,36 @@ def cell_text(cell: dict | None, notes: list[str]) -> str:
     if cell["status"] == "unsupported":
         return f"unsupported {note(cell['reason'])}"
     if "wall_s" not in cell:  # crashed before any check finished
-        return "**FAIL**: a launch failed (see pytest output)"
+        return f"**FAIL** {note(cell['reason'])} (see pytest output)"
     parity = f"{max(cell['parity_max_rel_loss'], cell['parity_max_rel_grad_norm']):.1e}"
     timing = f"{cell['wall_s']:.0f}s, parity {parity}"
+    if "logits_max_abs_diff" in cell:  # the upgrade cell
+        timing += f", logits {cell['logits_max_abs_diff']:.1e}"
     if cell["status"] == "upstream issue":
         return f"upstream bug {note(cell['reason'])} ({timing})"
     if cell["status"] == "fail":
         return f"**FAIL** {cell['reason']} ({timing})"
-    return f"pass ({timing})"
+    crashes = "".join(f", retried {note(c)}" for c in cell.get("crashes", []))
+    return f"pass ({timing}{crashes})"
+
+
+def upgrade_text(cell: dict) -> str:
+    """The upgrade cell's two loss curves, side by side."""
+    old, new = cell["loss_before"], cell.get("loss", {})
+    rows = [
+        [step, f"{old[step]:.5f}", f"{new[step]:.5f}" if step in new else ""]
+        for step in sorted(old, key=int)
+    ]
+    headers = [
+        "step",
+        f"torchtitan {cell['upgrade_from']}",
+        f"{cell['upstream']} resumed",
+    ]
+    return (
+        f"\n## Upgrade {cell['upgrade_from']} -> {cell['upstream']}\n\n"
+        f"Data position: {cell['data']}.\n\n"
+        f"{format_markdown_table(headers, rows)}\n"
+    )
 
 
 def main(results_dir: str, out_dir: str) -> int:
@@ -47,9 +69,8 @@ def main(results_dir: str, out_dir: str) -> int:
     cells = [c for f in files for c in json.loads(f.read_text())]
     upstreams = sorted({c["upstream"] for c in cells}, reverse=True)
     by_key = {(c["upstream"], c["layout"]): c for c in cells}
-    layouts = [
-        lay.name for lay in LAYOUTS if any(c["layout"] == lay.name for c in cells)
-    ]
+    every = [lay.name for lay in LAYOUTS] + [r.name for r in RESUMES] + ["upgrade"]
+    layouts = [name for name in every if any(c["layout"] == name for c in cells)]
     notes: list[str] = []
     rows = [
         [f"{name} ({next(c['nproc'] for c in cells if c['layout'] == name)}p)"]
@@ -68,6 +89,7 @@ def main(results_dir: str, out_dir: str) -> int:
         f"{table}\n\n"
         + "".join(f"[{i}] {text}\n" for i, text in enumerate(notes, 1))
         + f"\nCell wall time in total: {total / 60:.1f} min\n"
+        + "".join(upgrade_text(c) for c in cells if c.get("loss_before"))
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

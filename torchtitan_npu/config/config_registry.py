@@ -22,7 +22,12 @@ from torchtitan_npu.config.fields import (
     has_path,
     set_path,
 )
-from torchtitan_npu.config.schema import ConfigError, flatten, wrong_type
+from torchtitan_npu.config.schema import (
+    ConfigError,
+    did_you_mean,
+    flatten,
+    wrong_type,
+)
 from torchtitan_npu.models import MODEL_PACKAGES, find_model_module
 
 ERA = Era.CONFIG_REGISTRY
@@ -55,24 +60,65 @@ def base_config(name: str, flavor: str) -> Any:
         return _with_model(base, derived, flavor)
     registry = find_model_module(name, ERA.value)  # the era is named after it
     if registry is None:
+        known = known_models()
         raise ConfigError(
-            f"unknown model {name!r} in era {ERA}; known models: {known_models()}"
+            f"unknown model {name!r} in era {ERA}{did_you_mean(name, known)}; "
+            f"known models: {known}"
         )
-    # upstream spells flavor "0.6B" as function qwen3_0_6b
+    function = _config_function(registry, name, flavor)
+    if function is None:
+        available = flavors(name)
+        raise ConfigError(
+            f"model {name!r} has no flavor {flavor!r} in era {ERA}"
+            f"{did_you_mean(flavor, available)}; known flavors: {available}"
+        )
+    return function()
+
+
+def flavors(name: str) -> list[str]:
+    """The flavors of a model: its config functions' names (``qwen3_0_6b``
+    -> ``0_6b``), as ``--model.flavor`` takes them."""
+    registry = find_model_module(name, ERA.value)
+    if registry is None:
+        return []
+    return sorted(
+        n.removeprefix(f"{name}_")
+        for n in dir(registry)
+        if n.startswith(f"{name}_") and callable(getattr(registry, n))
+    )
+
+
+def _config_function(registry, name: str, flavor: str):
+    """The config function of a flavor: by its name (upstream spells flavor
+    "0.6B" as function qwen3_0_6b), else the shortest-named one whose model
+    is the model registry's flavor of that name (``debugmodel_moe`` ->
+    ``qwen3_moe_debug``)."""
     function = getattr(registry, f"{name}_{flavor}", None) or getattr(
         registry, f"{name}_{flavor}".replace(".", "_").lower(), None
     )
-    if function is None:
-        available = sorted(
-            n.removeprefix(f"{name}_")
-            for n in dir(registry)
-            if n.startswith(f"{name}_") and callable(getattr(registry, n))
-        )
-        raise ConfigError(
-            f"model {name!r} has no flavor {flavor!r} in era {ERA}; "
-            f"known flavors: {available}"
-        )
-    return function()
+    if function is not None:
+        return function
+    matches = []
+    for candidate in flavors(name):
+        try:
+            config = getattr(registry, f"{name}_{candidate}")()
+        except Exception:  # a recipe needing what this machine lacks
+            continue
+        if getattr(getattr(config, "model_spec", None), "flavor", None) == flavor:
+            matches.append(candidate)
+    if not matches:
+        return None
+    return getattr(registry, f"{name}_{min(matches, key=len)}")
+
+
+def parameter_count(name: str, flavor: str) -> int:
+    """Parameters of the model a flavor builds (on the meta device)."""
+    import torch
+
+    model = base_config(name, flavor).model_spec.model
+    with torch.device("meta"):
+        module = model.build()
+    return sum(p.numel() for p in module.parameters())
 
 
 def _with_model(trainer_config: Any, model: Any, flavor: str) -> Any:

@@ -1,11 +1,13 @@
 """Checks of a resolved train config before anything is launched.
 
 ``check`` runs in the launcher process: the parallel layout against the
-number of processes, the paths the run reads, then the era's own translation
-(every key, its type, the model and flavor). Each problem is a ``ConfigError``
+number of processes, the paths the run reads, the checkpoint it will load
+(whole, and of this era), then the era's own translation (every key, its
+type, the model and flavor). Each problem is a ``ConfigError``
 that the CLI prints as one line.
 """
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +24,22 @@ _DEGREES = {
 }
 
 
+def _degrees(config: dict[str, Any]) -> dict[str, Any]:
+    parallelism = config.get("parallelism", {})
+    return {key: parallelism.get(key, default) for key, default in _DEGREES.items()}
+
+
+def _fixed(degrees: dict[str, int]) -> int:
+    """The product of the degrees that are set (not -1, "the rest")."""
+    product = 1
+    for value in degrees.values():
+        product *= 1 if value == -1 else value
+    return product
+
+
 def check_layout(config: dict[str, Any], world_size: int | None, launch: str) -> None:
     """The parallel degrees multiply to the number of processes launched."""
-    parallelism = config.get("parallelism", {})
-    degrees = {key: parallelism.get(key, default) for key, default in _DEGREES.items()}
+    degrees = _degrees(config)
     for key, value in degrees.items():
         wildcard = key == "data_parallel_shard_degree" and value == -1
         if not isinstance(value, int) or isinstance(value, bool):
@@ -34,9 +48,7 @@ def check_layout(config: dict[str, Any], world_size: int | None, launch: str) ->
             raise ConfigError(f"parallelism.{key} = {value}: must be at least 1")
     if world_size is None:
         return
-    fixed = 1
-    for value in degrees.values():
-        fixed *= 1 if value == -1 else value
+    fixed = _fixed(degrees)
     product = " x ".join(f"{k.removesuffix('_degree')} {v}" for k, v in degrees.items())
     shard_is_rest = degrees["data_parallel_shard_degree"] == -1
     if (shard_is_rest and world_size % fixed) or (
@@ -83,6 +95,87 @@ def check_checkpoint(config: dict[str, Any]) -> None:
         )
 
 
+def checkpoint_to_load(config: dict[str, Any]) -> tuple[Path, bool] | None:
+    """(the DCP checkpoint the run will load, whether it resumes), as upstream
+    picks it: the newest ``step-N`` of the run's own checkpoint folder with a
+    .metadata (a resume), else ``initial_load_path`` (unless it is HF)."""
+    checkpoint = config.get("checkpoint", {})
+    if not checkpoint.get("enable"):
+        return None
+    dump = Path(config.get("job", {}).get("dump_folder", "./outputs"))
+    folder = dump / checkpoint.get("folder", "checkpoint")
+    steps = [
+        (int(m.group(1)), p)
+        for p in (folder.iterdir() if folder.is_dir() else ())
+        if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / ".metadata").is_file()
+    ]
+    if steps:
+        return max(steps)[1], True
+    initial = checkpoint.get("initial_load_path")
+    if initial and not checkpoint.get("initial_load_in_hf") and "://" not in initial:
+        return Path(initial), False
+    return None
+
+
+def dp_degree(config: dict[str, Any], world_size: int) -> int:
+    """Data-parallel degree (replicate x shard) of a launch of `world_size`."""
+    degrees = _degrees(config)
+    shard = degrees["data_parallel_shard_degree"]
+    if shard == -1:
+        shard = world_size // _fixed(degrees)
+    return degrees["data_parallel_replicate_degree"] * shard
+
+
+def check_loadable(
+    config: dict[str, Any], world_size: int | None, era: str, version: str
+) -> None:
+    """The checkpoint the run will load: a whole DCP checkpoint, of this era's
+    parameter names, and (unless its data position is left out) saved with
+    this data-parallel degree -- upstream's dataloader cannot reshard."""
+    found = checkpoint_to_load(config)
+    if found is None:
+        return
+    path, resume = found
+    from torchtitan_npu.compat.lock import read_lock
+    from torchtitan_npu.state_dict_adapters import native_era
+    from torchtitan_npu.state_dict_adapters.native_io import NativeCheckpoint
+
+    try:
+        checkpoint = NativeCheckpoint(path)
+    except ValueError as e:  # not a whole DCP checkpoint: one line
+        raise ConfigError(f"checkpoint to load: {e}") from None
+    saved = native_era(checkpoint.model_layout)
+    if saved is None or saved == era:
+        _check_data_position(config, checkpoint, world_size)
+        return
+    versions = ", ".join(e.version for e in read_lock() if e.era == saved)
+    fresh = " or train in another --job.dump_folder" if resume else ""
+    raise ConfigError(
+        f"checkpoint {path} has the parameter names of torchtitan {versions} "
+        f"(era {saved}); this install runs {version} (era {era}), which names "
+        f"them differently; migrate it (optimizer and data position included): "
+        f"titan-npu checkpoint migrate {path} OUT --to {version}, then load OUT "
+        f"with --checkpoint.initial_load_path OUT "
+        f"--checkpoint.initial_load_model_only false{fresh}"
+    )
+
+
+def _check_data_position(config, checkpoint, world_size: int | None) -> None:
+    excluded = config.get("checkpoint", {}).get("exclude_from_loading") or []
+    saved = checkpoint.read_number("dataloader.world_size")
+    if world_size is None or "dataloader" in excluded or saved is None:
+        return
+    now = dp_degree(config, world_size)
+    if saved != now:
+        raise ConfigError(
+            f"checkpoint {checkpoint.path} holds the data position of "
+            f"{saved} data-parallel rank(s) and this launch has {now}; upstream's "
+            "dataloader cannot reshard it: launch with the same dp degree, or "
+            "start the data from its beginning (samples seen again) with "
+            """--checkpoint.exclude_from_loading '["dataloader"]'"""
+        )
+
+
 def check(config: dict[str, Any], *, world_size: int | None, launch: str) -> None:
     """Every check that needs no rank: layout, paths, then the era translation."""
     check_layout(config, world_size, launch)
@@ -96,6 +189,7 @@ def check(config: dict[str, Any], *, world_size: int | None, launch: str) -> Non
     quiet_upstream_noise()
     activation = activate()
     version = activation.upstream.installed.version
+    check_loadable(config, world_size, activation.context.era, version)
     try:
         era_config(activation.context.era).translate(
             config, version=version, device_type=activation.context.device_type

@@ -5,7 +5,9 @@ layout (``[job] [model] [training] [parallelism] [checkpoint] ...``).
 ``EMBEDDED`` values stand for the embedded corpus and tokenizer.
 """
 
+import difflib
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +113,9 @@ def resolve(config_path: str | Path | None, overrides: list[str]) -> dict[str, A
             training["dataset"] = "c4_test"  # upstream's local-JSON loader
             training["dataset_path"] = str(assets.dataset_path)
     return config
+
+
+def did_you_mean(value: str, known: Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for the closest known name, if one is close."""
+    close = difflib.get_close_matches(value, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -11,7 +11,12 @@ from typing import Any
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.config import hf_model
 from torchtitan_npu.config.fields import expected, field_type, has_path
-from torchtitan_npu.config.schema import ConfigError, flatten, wrong_type
+from torchtitan_npu.config.schema import (
+    ConfigError,
+    did_you_mean,
+    flatten,
+    wrong_type,
+)
 
 ERA = Era.TRAINSPEC
 
@@ -29,14 +34,44 @@ def check_model(name: str, flavor: str, *, version: str) -> None:
     try:
         spec = get_train_spec(name)
     except ValueError:
+        known = known_models()
         raise ConfigError(
             f"unknown model {name!r} in torchtitan {version} (era {ERA})"
+            f"{did_you_mean(name, known)}; known models: {known}"
         ) from None
     if flavor not in spec.model_args:
+        known = sorted(spec.model_args)
         raise ConfigError(
             f"model {name!r} has no flavor {flavor!r} in torchtitan {version} "
-            f"(era {ERA}); known flavors: {sorted(spec.model_args)}"
+            f"(era {ERA}){did_you_mean(flavor, known)}; known flavors: {known}"
         )
+
+
+def flavors(name: str) -> list[str]:
+    """The flavors of a registered model (its TrainSpec's model_args)."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    return sorted(get_train_spec(name).model_args)
+
+
+def parameter_count(name: str, flavor: str) -> int:
+    """Parameters of the model a flavor builds (on the meta device)."""
+    from torchtitan_npu.state_dict_adapters import upstream_models as um
+
+    module = um.build_meta(name, um.model_args(name, flavor, ERA), ERA)
+    return sum(p.numel() for p in module.parameters())
+
+
+def known_models() -> list[str]:
+    """Every name get_train_spec accepts (upstream's models and experiments
+    and those registered, titan-npu's among them)."""
+    from torchtitan.experiments import _supported_experiments
+    from torchtitan.models import _supported_models
+    from torchtitan.protocols import train_spec
+
+    return sorted(
+        {*_supported_models, *_supported_experiments, *train_spec._extra_train_specs}
+    )
 
 
 def translate(

@@ -1,7 +1,11 @@
 """Patches of the config-registry era (torchtitan 0.3.x)."""
 
 from torchtitan_npu.compat.era import Era
-from torchtitan_npu.overlay.common import eager_flex_attention, skip_unless_cpu
+from torchtitan_npu.overlay.common import (
+    eager_flex_attention,
+    skip_unless_cpu,
+    varlen_attention_reference,
+)
 from torchtitan_npu.overlay.registry import (
     Change,
     Patch,
@@ -127,4 +131,58 @@ ARCHITECTURE_BUILDERS = [
     _architecture_builder("deepseek_v3", "_output_linear_init"),
 ]
 
-PATCHES = [EAGER_FLEX_ATTENTION, *HF_ADAPTERS, *ARCHITECTURE_BUILDERS]
+
+def _apply_experts_in_input_dtype(target: Target, ctx: PatchContext) -> list[Change]:
+    original = target.obj
+
+    def forward(self, x_RD, num_tokens_per_expert_E):
+        return original(self, x_RD, num_tokens_per_expert_E).to(x_RD.dtype)
+
+    return [Change(target.owner, target.attr, forward)]
+
+
+GPT_OSS_EXPERTS_DTYPE = Patch(
+    name="gpt_oss_experts_dtype",
+    target="torchtitan.models.gpt_oss.moe:GptOssGroupedExperts.forward",
+    kind="wrap",
+    reason=(
+        "gpt_oss's experts compute in bf16 and return bf16; outside FSDP's bf16 "
+        "mixed precision (one device, fp32 params) the token combine scatters them "
+        "into fp32 and fails ('scatter(): Expected self.dtype to be equal to "
+        "src.dtype'): the output is returned in the input's dtype."
+    ),
+    eras=(Era.CONFIG_REGISTRY,),
+    upstream_ref=(
+        "none filed: upstream trains gpt_oss under FSDP's bf16 mixed precision, "
+        "where input and output are both bf16"
+    ),
+    remove_when="GptOssGroupedExperts.forward returns its input's dtype",
+    apply=_apply_experts_in_input_dtype,
+)
+
+VARLEN_ATTENTION_REFERENCE = Patch(
+    name="varlen_attention_reference",
+    target="torchtitan.models.common.attention:varlen_attn",
+    kind="replace",
+    reason=(
+        "the varlen attention backend (gpt_oss's default, llama3's "
+        "debugmodel_varlen_attn) calls torch's flash-only varlen_attn "
+        "('Could not run aten::_flash_attention_forward ... CPU'): on CPU the "
+        "same packed-sequence attention runs as plain tensor math."
+    ),
+    eras=(Era.CONFIG_REGISTRY,),
+    upstream_ref="torch.nn.attention.varlen.varlen_attn has only a flash kernel",
+    remove_when="torch's varlen_attn runs on CPU",
+    apply=lambda target, ctx: [
+        Change(target.owner, target.attr, varlen_attention_reference)
+    ],
+    skip=skip_unless_cpu,
+)
+
+PATCHES = [
+    EAGER_FLEX_ATTENTION,
+    VARLEN_ATTENTION_REFERENCE,
+    GPT_OSS_EXPERTS_DTYPE,
+    *HF_ADAPTERS,
+    *ARCHITECTURE_BUILDERS,
+]

@@ -27,7 +27,6 @@ from torchtitan_npu.errors import Interrupted
 from torchtitan_npu.state_dict_adapters import architecture, get_adapter, quantization
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 from torchtitan_npu.state_dict_adapters.mapping import (
-    TRAINING_STATE_PREFIXES,
     ConversionError,
     TensorInfo,
     compare_layouts,
@@ -43,6 +42,7 @@ from torchtitan_npu.state_dict_adapters.safetensors_io import (
 
 DTYPE_ARGS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PROVENANCE = "titan_npu_convert.json"
+RUN_CONFIG = "titan_npu_config.json"  # written by `titan-npu train`
 # HF tokenizer / generation files copied by --tokenizer.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -179,11 +179,7 @@ def to_hf(
     era = era or current_era()
     adapter = get_adapter(model)
     source = NativeCheckpoint(checkpoint)
-    model_keys = {
-        k: v
-        for k, v in source.layout.items()
-        if not k.startswith(TRAINING_STATE_PREFIXES)
-    }
+    model_keys = source.model_layout
     if tokenizer is not None:
         _tokenizer_files(Path(tokenizer))  # before anything is written
     origin = _origin(Path(checkpoint), hf_config)
@@ -223,20 +219,19 @@ def to_hf(
     bar = Progress("to-hf", total, progress)
     start = time.perf_counter()
     with atomic_dir(out) as tmp, bar:
-        writer = ShardedWriter(tmp, plan, limit)
-        for g in groups:
-            tensor = source.read(g.native)
-            for key, part in zip(g.hf, g.to_hf(tensor)):
-                if fp8 is not None and fp8.covers(key, TensorInfo.of(part)):
-                    for name, stored in fp8.quantized(key, part):
-                        writer.write(name, stored)
-                        bar.advance(stored.nbytes)
-                    continue
-                part = part.to(out_dtype) if part.is_floating_point() else part
-                writer.write(key, part)
-                bar.advance(part.nbytes)
-            del tensor, part  # before the next read: RSS holds one group
-        writer.close()
+        with ShardedWriter(tmp, plan, limit) as writer:
+            for g in groups:
+                tensor = source.read(g.native)
+                for key, part in zip(g.hf, g.to_hf(tensor)):
+                    if fp8 is not None and fp8.covers(key, TensorInfo.of(part)):
+                        for name, stored in fp8.quantized(key, part):
+                            writer.write(name, stored)
+                            bar.advance(stored.nbytes)
+                        continue
+                    part = part.to(out_dtype) if part.is_floating_point() else part
+                    writer.write(key, part)
+                    bar.advance(part.nbytes)
+                del tensor, part  # before the next read: RSS holds one group
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer is not None:
             _copy_tokenizer(Path(tokenizer), tmp)
@@ -353,25 +348,31 @@ def _origin(checkpoint: Path, hf_config) -> _Origin:
             architecture.read_config(path), True, path if path.is_dir() else None
         )
     if (checkpoint / PROVENANCE).is_file():
-        record = _read_json_file(checkpoint / PROVENANCE)
+        record = read_json_file(checkpoint / PROVENANCE)
         return _Origin(
             record.get("hf_config"),
             record.get("flavor") == architecture.HF_FLAVOR,
             Path(record["source"]) if record.get("source") else None,
             record.get("fp8_weights"),
         )
-    for parent in list(checkpoint.resolve().parents)[:3]:
-        run = parent / "titan_npu_config.json"
-        if run.is_file():
-            settings = _read_json_file(run).get("model", {})
-            if settings.get("flavor") == architecture.HF_FLAVOR:
-                directory = Path(settings["hf_assets_path"])
-                return _Origin(architecture.read_config(directory), True, directory)
-            break
+    run = run_config(checkpoint)
+    settings = run[1].get("model", {}) if run else {}
+    if settings.get("flavor") == architecture.HF_FLAVOR:
+        directory = Path(settings["hf_assets_path"])
+        return _Origin(architecture.read_config(directory), True, directory)
     return _Origin()
 
 
-def _read_json_file(path: Path) -> dict:
+def run_config(checkpoint: Path) -> tuple[Path, dict] | None:
+    """(path, contents) of the config of the training run a checkpoint is in
+    (``DUMP_FOLDER/checkpoint/step-N``), if it is in one."""
+    for parent in list(checkpoint.resolve().parents)[:3]:
+        if (parent / RUN_CONFIG).is_file():
+            return parent / RUN_CONFIG, read_json_file(parent / RUN_CONFIG)
+    return None
+
+
+def read_json_file(path: Path) -> dict:
     try:
         found = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -412,14 +413,20 @@ def _provenance(out: Path, model, flavor, era, source, **more) -> None:
     (out / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
 
 
+def check_out(out: str | Path) -> Path:
+    """OUT, refused if it exists with anything in it."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConversionError(f"output {out}", ["exists and is not empty"])
+    return out
+
+
 @contextlib.contextmanager
 def atomic_dir(out: str | Path) -> Iterator[Path]:
     """A temp dir beside `out`, renamed to `out` only on success. Ctrl-C or
     SIGTERM stop at the next tensor (``Interrupted``) and leave nothing; temp
     dirs of killed runs (SIGKILL) are removed here."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConversionError(f"output {out}", ["exists and is not empty"])
+    out = check_out(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

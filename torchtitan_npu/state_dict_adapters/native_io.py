@@ -21,9 +21,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
-from torchtitan_npu.state_dict_adapters.mapping import ConversionError, TensorInfo
+from torchtitan_npu.state_dict_adapters import direct_io
+from torchtitan_npu.state_dict_adapters.mapping import (
+    TRAINING_STATE_PREFIXES,
+    ConversionError,
+    TensorInfo,
+)
 
 
 class NativeCheckpoint:
@@ -32,12 +42,10 @@ class NativeCheckpoint:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not (self.path / ".metadata").is_file():
-            raise ConversionError(
-                f"native checkpoint {path}", ["no DCP .metadata (not a DCP checkpoint)"]
-            )
+            raise ConversionError(f"native checkpoint {path}", [_why_not(self.path)])
         self._reader = _CachedMetadataReader(str(self.path))
         try:
-            metadata = self._reader.read_metadata()
+            self.metadata = metadata = self._reader.read_metadata()
         except Exception as e:  # a corrupt pickle raises anything
             raise ConversionError(
                 f"native checkpoint {path}", [f".metadata: {e}"]
@@ -47,6 +55,16 @@ class NativeCheckpoint:
             for key, m in metadata.state_dict_metadata.items()
             if isinstance(m, TensorStorageMetadata)
         }
+        self.model_layout = {
+            k: i
+            for k, i in self.layout.items()
+            if not k.startswith(TRAINING_STATE_PREFIXES)
+        }  # the model's own tensors (not optimizer, lr scheduler, dataloader)
+        self.objects = [
+            key
+            for key, m in metadata.state_dict_metadata.items()
+            if isinstance(m, BytesStorageMetadata)
+        ]
         problems = _missing_data(self.path, metadata)
         if problems:
             raise ConversionError(f"native checkpoint {path}", problems)
@@ -66,6 +84,26 @@ class NativeCheckpoint:
                 warnings.simplefilter("ignore")  # "no process group": one reader
                 dcp.load({key: tensor}, storage_reader=self._reader)
         return tensor
+
+    def read_object(self, key: str) -> object:
+        """One of `objects` (a step, a count, a hyper-parameter: its bytes are
+        a torch.save'd object); ConversionError if it is not plain data."""
+        where = self.metadata.storage_data[MetadataIndex(key)]
+        with open(self.path / where.relative_path, "rb") as f:
+            f.seek(where.offset)
+            raw = f.read(where.length)
+        try:
+            return torch.load(io.BytesIO(raw), weights_only=True)
+        except Exception as e:  # the restricted unpickler refuses anything else
+            what = f"native checkpoint {self.path}"
+            raise ConversionError(what, [f"{key}: not plain data ({e})"]) from None
+
+    def read_number(self, key: str) -> int | None:
+        """An integer record (a step, a count); None if there is none."""
+        if key not in self.objects:
+            return None
+        value = self.read_object(key)
+        return int(value) if isinstance(value, int | torch.Tensor) else None
 
     def _read_records(self, key: str, tensor: torch.Tensor) -> None:
         metadata = self._reader.read_metadata()
@@ -93,6 +131,19 @@ class NativeCheckpoint:
                 sizes,
                 flat[start : start + nbytes],
             )
+
+
+def _why_not(path: Path) -> str:
+    """Why `path` (no .metadata) is no DCP checkpoint, and what it is instead."""
+    if not path.exists():
+        return "does not exist"
+    if not path.is_dir():
+        return "not a directory"
+    if any(path.glob("*.safetensors")):
+        return "an HF checkpoint (*.safetensors): titan-npu convert from-hf converts it"
+    if any(path.glob("*.distcp")):
+        return "data files but no .metadata: an unfinished save (killed while saving?)"
+    return "no DCP .metadata (not a DCP checkpoint)"
 
 
 def _missing_data(path: Path, metadata) -> list[str]:
@@ -235,27 +286,65 @@ class _CachedMetadataReader(FileSystemReader):
 
 
 class _StreamingPlanner(DefaultSavePlanner):
-    def __init__(self, make: Callable[[str], torch.Tensor]):
+    def __init__(self, make: Callable[[str], torch.Tensor], objects: dict):
         super().__init__()
-        self._make = make
+        self._make, self._objects = make, objects
 
     def lookup_object(self, index):
+        if index.fqn in self._objects:
+            return self._objects[index.fqn]
         return self._make(index.fqn)
 
 
+class _DirectFileSystem(FileSystem):
+    def __init__(self, files: direct_io.Writer):
+        self._files = files
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        stream = self._files.create(path)
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+
+class _DirectWriter(FileSystemWriter):
+    """DCP's file writer, its files written past the page cache (direct_io)."""
+
+    def __init__(self, files: direct_io.Writer, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fs = _DirectFileSystem(files)
+
+
 def write_native(
-    path: Path, layout: dict[str, TensorInfo], make: Callable[[str], torch.Tensor]
+    path: Path,
+    layout: dict[str, TensorInfo],
+    make: Callable[[str], torch.Tensor],
+    objects: dict[str, object] | None = None,
 ) -> None:
-    """A DCP checkpoint with `layout`'s tensors; make(key) builds each."""
-    planned = {
+    """A DCP checkpoint with `layout`'s tensors, make(key) building each, and
+    `objects` (steps, hyper-parameters, data positions: saved as DCP saves
+    non-tensor state)."""
+    objects = objects or {}
+    planned: dict[str, object] = {
         k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in layout.items()
     }
+    planned.update(objects)
     # One file per tensor: DCP keeps every tensor of a file alive until the
     # file is closed, so one file per rank would hold the whole model.
-    writer = FileSystemWriter(str(path), single_file_per_rank=False, sync_files=False)
-    with warnings.catch_warnings(), _no_crc32():
+    with direct_io.Writer() as files, warnings.catch_warnings(), _no_crc32():
+        writer = _DirectWriter(
+            files, str(path), single_file_per_rank=False, sync_files=False
+        )
         warnings.simplefilter("ignore")
-        dcp.save(planned, storage_writer=writer, planner=_StreamingPlanner(make))
+        dcp.save(
+            planned, storage_writer=writer, planner=_StreamingPlanner(make, objects)
+        )
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from torchtitan_npu.state_dict_adapters.mapping import TensorInfo
 SCALE_SUFFIX = "_scale_inv"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8).to(torch.float32)
 # An unchanged weight re-read from bf16 may exceed its block's old range by
 # bf16's rounding; such a block keeps its old scale (and is clamped).
 _RANGE_SLACK = 1 + 2**-7
@@ -82,18 +83,27 @@ def dequantize(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """W_q * S, one scale per block, in `dtype` (float32 products, rounded
-    once). Computed a few block-rows at a time: the float32 temporaries stay
-    small and in cache (2x faster than whole-tensor ops here)."""
+    once). By table: every block's 256 possible products are computed once,
+    each element is then one lookup at (its block, its code) -- exactly the
+    elementwise product, 3x faster than widening and multiplying. A few
+    block-rows at a time, so the int32 indices stay small."""
     rows, cols = weight.shape
     b0, b1 = block
+    grid_cols = scale_inv.shape[1]
+    products = scale_inv.to(torch.float32).reshape(-1, 1) * _FP8_VALUES
+    table = products.to(dtype).reshape(-1)  # [block][code]
+    column_block = (torch.arange(cols, dtype=torch.int32) // b1) * 256
+    codes = weight.view(torch.uint8)
     out = torch.empty(rows, cols, dtype=dtype)
-    scale = scale_inv.to(torch.float32).repeat_interleave(b1, 1)[:, :cols]
-    step = max(1, (8 << 20) // (b0 * cols * 4)) * b0  # ~8 MB of float32
+    step = max(1, (8 << 20) // (b0 * cols * 4)) * b0  # ~8 MB of int32
     for start in range(0, rows, step):
-        part = weight[start : start + step].to(torch.float32)
-        scales = scale[start // b0 : (start + part.shape[0] + b0 - 1) // b0]
-        part.mul_(scales.repeat_interleave(b0, 0)[: part.shape[0]])
-        out[start : start + step].copy_(part)
+        chunk = codes[start : start + step]
+        row = torch.arange(start, start + chunk.shape[0], dtype=torch.int32)
+        index = chunk.to(torch.int32).add_(column_block)
+        index.add_(((row // b0) * (grid_cols * 256)).unsqueeze(1))
+        torch.index_select(
+            table, 0, index.view(-1), out=out[start : start + step].view(-1)
+        )
     return out
 
 

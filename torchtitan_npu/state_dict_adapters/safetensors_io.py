@@ -12,11 +12,11 @@ import mmap
 import re
 import struct
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from torchtitan_npu.state_dict_adapters import direct_io
 from torchtitan_npu.state_dict_adapters.mapping import ConversionError, TensorInfo
 
 INDEX = "model.safetensors.index.json"
@@ -173,7 +173,8 @@ class ShardedWriter:
         self.shards = shards
         self.plan = [(k, i, s) for s, entries in enumerate(shards) for k, i in entries]
         self._next = 0
-        self._file: BinaryIO | None = None
+        self._files = direct_io.Writer()
+        self._file: direct_io.DirectFile | None = None
         self._shard = -1
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
@@ -188,6 +189,13 @@ class ShardedWriter:
         self._file.write(memoryview(data.numpy()))
         self._next += 1
 
+    def __enter__(self) -> ShardedWriter:
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        """Finish the shards and the index; on an error, write nothing more."""
+        self.close() if kind is None else self._files.abort()
+
     def close(self) -> None:
         if self._next != len(self.plan):
             raise AssertionError(
@@ -195,6 +203,7 @@ class ShardedWriter:
             )
         if self._file:
             self._file.close()
+        self._files.finish()
         weight_map = {k: self.names[s] for k, _, s in self.plan}
         total = sum(i.nbytes for _, i, _ in self.plan)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -204,7 +213,7 @@ class ShardedWriter:
         if self._file:
             self._file.close()
         self._shard = shard
-        self._file = open(self.out / self.names[shard], "wb")  # noqa: SIM115
+        self._file = self._files.create(self.out / self.names[shard])
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for key, info in self.shards[shard]:
