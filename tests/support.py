@@ -19,12 +19,19 @@ SMALL_RUN = [
 ]  # fmt: skip
 
 
-def train(dump_folder: Path, *args: str, nproc: int = 1, steps: int = 4) -> dict:
-    """Run `titan-npu train`; return ``{tag: {step: value}}`` from TensorBoard."""
+def train(
+    dump_folder: Path,
+    *args: str,
+    nproc: int = 1,
+    steps: int = 4,
+    python: str = sys.executable,
+) -> dict:
+    """Run `titan-npu train` (of `python`'s environment); return ``{tag:
+    {step: value}}`` from TensorBoard."""
     env = {k: v for k, v in os.environ.items() if k != "TITAN_NPU_NO_BOOTSTRAP"}
     env.setdefault("TITAN_NPU_DEVICE", "cpu")  # gloo on CPU unless a device is asked
     command = [
-        sys.executable, "-m", "torchtitan_npu.cli", "train",
+        python, "-m", "torchtitan_npu.cli", "train",
         "--nproc-per-node", str(nproc),
         "--job.dump_folder", str(dump_folder),
         "--training.steps", str(steps),
@@ -54,6 +61,15 @@ def copy_checkpoint(source_dump: Path, step: int, target_dump: Path) -> None:
     """Give a fresh dump folder only step ``step`` of another run's checkpoints."""
     target = target_dump / "checkpoint" / f"step-{step}"
     shutil.copytree(source_dump / "checkpoint" / f"step-{step}", target)
+
+
+def drop_checkpoints(dump_folder: Path, keep: tuple[int, ...] = ()) -> None:
+    """Free a passed run's disk: remove its checkpoints but steps ``keep``
+    (a later cell resumes from them); its scalars and logs stay."""
+    folder = dump_folder / "checkpoint"
+    for step in folder.glob("step-*") if folder.is_dir() else ():
+        if int(step.name.removeprefix("step-")) not in keep:
+            shutil.rmtree(step)
 
 
 def heavy_except(values: list, light) -> list:

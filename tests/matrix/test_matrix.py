@@ -24,14 +24,17 @@ one seed checkpoint and on data every layout shares:
   reproduces its steps K+1..N bit for bit.
 """
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import SMALL_RUN, copy_checkpoint
+from launch import LaunchFailed
+from support import SMALL_RUN, copy_checkpoint, drop_checkpoints
 
 from torchtitan_npu.tools.loss_compare import compare_series, describe
-from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS
+from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS, read_scalars
 
 pytestmark = pytest.mark.matrix
 
@@ -109,31 +112,54 @@ def references(workdir, matrix_data, seeds, upstream, launcher):
     return reference_for
 
 
+def open_cell(item, upstream, results) -> dict:
+    """The result record of a matrix cell (a layout or a resume pair), failed
+    until its checks finish; the test is skipped where it cannot run."""
+    version, era = upstream.installed.version, upstream.era
+    cell = {"upstream": version, "era": era, "layout": item.name, "nproc": item.nproc}
+    results.append(cell)
+    reason = item.why_unsupported(version=version, era=era)
+    if reason:
+        cell.update(status="unsupported", reason=reason)
+        pytest.skip(f"{item.name} on torchtitan {version}: {reason}")
+    cell.update(status="fail", reason="a launch failed")
+    return cell
+
+
+@contextlib.contextmanager
+def launching(cell: dict, launcher) -> Iterator[None]:
+    """A cell's launches: a failed one's cause and the retried crashes are
+    recorded in the cell."""
+    crashes = len(launcher.crashes)
+    try:
+        yield
+    except LaunchFailed as e:
+        cell["reason"] = f"a launch failed: {e.cause}"
+        raise
+    finally:
+        cell["crashes"] = launcher.crashes[crashes:]  # retried launches
+
+
 def test_cell(
     layout, upstream, workdir, matrix_data, seeds, references, results, launcher
 ):
     version, era = upstream.installed.version, upstream.era
-    cell = {"upstream": version, "era": era, "layout": layout.name}
-    cell["nproc"] = layout.nproc
-    results.append(cell)
-    reason = layout.why_unsupported(version=version, era=era)
-    if reason:
-        cell.update(status="unsupported", reason=reason)
-        pytest.skip(f"{layout.name} on torchtitan {version}: {reason}")
-
-    cell.update(status="fail", reason="a launch failed")  # until checks finish
+    cell = open_cell(layout, upstream, results)
     args = [*common_args(matrix_data, seeds(layout)), *layout.args(era)]  # wins
     start = time.perf_counter()
-    ref_dump, ref, ref_seconds = references(layout)
-    if layout.name in ("single", "qwen2_single"):
-        first_dump, first = ref_dump, ref
-    else:
-        first_dump = workdir / f"{layout.name}-run1"
-        first = launcher.train(first_dump, args, nproc=layout.nproc)
-    second = launcher.train(workdir / f"{layout.name}-run2", args, nproc=layout.nproc)
-    resumed_dump = workdir / f"{layout.name}-resumed"
-    copy_checkpoint(first_dump, CHECKPOINT_STEP, resumed_dump)
-    resumed = launcher.train(resumed_dump, args, nproc=layout.nproc)
+    with launching(cell, launcher):
+        ref_dump, ref, ref_seconds = references(layout)
+        if layout.name in ("single", "qwen2_single"):
+            first_dump, first = ref_dump, ref
+        else:
+            first_dump = workdir / f"{layout.name}-run1"
+            first = launcher.train(first_dump, args, nproc=layout.nproc)
+        second = launcher.train(
+            workdir / f"{layout.name}-run2", args, nproc=layout.nproc
+        )
+        resumed_dump = workdir / f"{layout.name}-resumed"
+        copy_checkpoint(first_dump, CHECKPOINT_STEP, resumed_dump)
+        resumed = launcher.train(resumed_dump, args, nproc=layout.nproc)
     # A reference run is charged to the cell that needed it first.
     own_reference = layout.name.endswith("single") or layout.reference_args(era)
     seconds = time.perf_counter() - start + (ref_seconds if own_reference else 0)
@@ -168,8 +194,82 @@ def test_cell(
         dump=str(first_dump),
     )
     details = "\n".join(f"{name}:\n{describe(c)}" for name, c in checks.items())
+    if not failed:  # later cells resume only from run 1's step K
+        drop_checkpoints(first_dump, keep=(CHECKPOINT_STEP,))
+        for dump in (workdir / f"{layout.name}-run2", resumed_dump):
+            drop_checkpoints(dump)
     if issue and not failed:
         pytest.xfail(f"known upstream bug in torchtitan {version}: {issue.reason}")
     assert not failed, (
         f"{layout.name} on torchtitan {version} failed {failed}\n{details}"
     )
+
+
+def test_resume_across(
+    resume, upstream, workdir, matrix_data, seeds, results, launcher
+):
+    """A checkpoint saved under one layout resumes under another: steps
+    K+1..N equal the saving layout's own (cross-layout tolerances).
+
+    Upstream's dataloader keeps one data position per dp rank and cannot
+    reshard it: when the dp degree changes, the data restarts
+    (``exclude_from_loading dataloader``, as `train` tells users) on both
+    sides of the comparison, which then checks model, optimizer, lr schedule
+    and step."""
+    from layouts import dp_degree
+
+    version, era = upstream.installed.version, upstream.era
+    saved, resumed = resume.saved, resume.resumed
+    cell = open_cell(resume, upstream, results)
+    common = common_args(matrix_data, seeds(saved))
+    start = time.perf_counter()
+    with launching(cell, launcher):
+        first = workdir / f"{saved.name}-run1"  # the layout's own cell made it
+        if not (first / "checkpoint" / f"step-{CHECKPOINT_STEP}").is_dir():
+            first = workdir / f"{saved.name}-for-{resume.name}"
+            launcher.train(first, [*common, *saved.args(era)], nproc=saved.nproc)
+        fresh_data = []
+        if dp_degree(saved) != dp_degree(resumed):
+            fresh_data = ["--checkpoint.exclude_from_loading", '["dataloader"]']
+        fresh_run = workdir / f"{saved.name}-resumed-fresh-data"
+        reference = read_or_resume(
+            launcher, first, fresh_run,
+            [*common, *saved.args(era), *fresh_data], saved.nproc, fresh_data,
+        )  # fmt: skip
+        dump = workdir / f"{resume.name}"
+        copy_checkpoint(first, CHECKPOINT_STEP, dump)
+        args = [*common, *resumed.args(era), *fresh_data]
+        got = launcher.train(dump, args, nproc=resumed.nproc)
+    after_k = list(range(CHECKPOINT_STEP + 1, STEPS + 1))
+    checks = [
+        compare_series(LOSS, got[LOSS], reference[LOSS], rtol=LOSS_RTOL, steps=after_k),
+        compare_series(
+            GRAD_NORM, got[GRAD_NORM], reference[GRAD_NORM], rtol=GRAD_NORM_RTOL,
+            steps=after_k,
+        ),
+    ]  # fmt: skip
+    ok = all(c.ok for c in checks) and sorted(got[LOSS]) == after_k
+    cell.update(
+        status="pass" if ok else "fail",
+        reason="" if ok else "resume",
+        wall_s=round(time.perf_counter() - start, 1),
+        parity_max_rel_loss=checks[0].max_rel,
+        parity_max_rel_grad_norm=checks[1].max_rel,
+        loss={str(s): v for s, v in got[LOSS].items()},
+        dump=str(dump),
+    )
+    if ok:
+        for run in (dump, fresh_run):  # `first` keeps step K for other pairs
+            drop_checkpoints(run)
+    assert ok, f"{resume.name} on torchtitan {version}:\n{describe(checks)}"
+
+
+def read_or_resume(launcher, first, dump, args, nproc, fresh_data) -> dict:
+    """The saving layout's steps after the checkpoint: its own run's, or
+    (data restarted) those of a resume of its checkpoint that way."""
+    if not fresh_data:
+        return read_scalars(first)
+    if dump.exists():  # another pair made it
+        return read_scalars(dump)
+    copy_checkpoint(first, CHECKPOINT_STEP, dump)
+    return launcher.train(dump, args, nproc=nproc)
