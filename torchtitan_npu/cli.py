@@ -1,5 +1,5 @@
-"""``titan-npu``: train | convert | checkpoint | models | doctor | compat |
-loss-compare.
+"""``titan-npu``: train | plan | convert | checkpoint | models | doctor | compat
+| loss-compare.
 
 Importing this module (and ``titan-npu --help``) must not import torch.
 """
@@ -64,6 +64,82 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     tb_folder = dump_folder / metrics["save_tb_folder"]
     print(launcher.run_summary(result, dump_folder, tb_folder), flush=True)
     return 0
+
+
+def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from torchtitan_npu import launcher
+    from torchtitan_npu.config import preflight, resolve
+    from torchtitan_npu.distributed import DEVICE_ENV, check_torch_loads
+    from torchtitan_npu.plan import devices
+
+    world_size = launcher.world_size(args.nproc_per_node, args.nnodes)
+    if world_size is None:
+        raise launcher.LaunchError("plan needs a fixed --nnodes (not MIN:MAX)")
+    memory = None
+    if args.device_memory:
+        memory = devices.parse_memory(args.device_memory)
+    elif args.device_name:
+        memory = devices.device_memory(args.device_name)
+    if args.search and memory is None:
+        raise devices.PlanError("--search needs --device-memory or --device-name")
+    if args.device:
+        os.environ[DEVICE_ENV] = args.device
+    config = resolve(args.config, overrides)
+    check_torch_loads()
+    launch = f"--nproc-per-node {args.nproc_per_node} x --nnodes {args.nnodes}"
+    preflight.check(
+        config, world_size=None if args.search else world_size, launch=launch
+    )
+    from torchtitan_npu.plan import report
+    from torchtitan_npu.plan.estimate import estimate
+    from torchtitan_npu.plan.search import search
+
+    model = config.get("model", {})
+    training = config.get("training", {})
+    print(
+        f"titan-npu plan: {model.get('name')} {model.get('flavor')}, seq_len "
+        f"{training.get('seq_len')}, local batch {training.get('local_batch_size')}, "
+        f"on {world_size} devices",
+        file=sys.stderr,
+        flush=True,
+    )
+    if args.search:
+        assert memory is not None  # checked above
+        ranked = search(config, world_size, int(args.nproc_per_node), memory)
+        print(report.ranking(ranked, memory, world_size))
+        planned = report.bars(ranked)
+    else:
+        result = estimate(config, world_size)
+        print(report.describe(result, memory))
+        planned = [(report.layout_name(result.degrees), result.worst)]
+        if args.measure:
+            print(report.measured(_measure(config, args), result))
+    if args.plot:
+        report.plot(planned, memory, Path(args.plot))
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _measure(config: dict, args: argparse.Namespace) -> list[dict]:
+    """The plan's steps on real tensors on this machine (torchrun)."""
+    import subprocess
+    import tempfile
+
+    if args.nnodes != "1":
+        raise ValueError("--measure runs on this machine: --nnodes 1")
+    with tempfile.TemporaryDirectory(prefix="titan-npu-measure-") as tmp:
+        config_file = Path(tmp) / "config.json"
+        config_file.write_text(json.dumps(config))
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", args.nproc_per_node,
+            "-m", "torchtitan_npu.plan.measure", str(config_file), tmp,
+        ]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"--measure failed:\n{result.stderr[-3000:]}")
+        ranks = sorted(Path(tmp).glob("rank-*.json"))
+        return [json.loads(p.read_text()) for p in ranks]
 
 
 def torchrun_args(args: argparse.Namespace) -> list[str]:
@@ -305,6 +381,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     migrate.set_defaults(handler=_checkpoint_migrate)
 
+    plan = commands.add_parser(
+        "plan",
+        help="per-rank device memory of a run, before launch (--search: layouts)",
+        description=(
+            "Estimate each rank's peak device memory for a train config and "
+            "launch shape, on fake tensors (nothing is allocated). Takes the "
+            "same --config and --section.key value overrides as train."
+        ),
+    )
+    plan.add_argument("--config", help="train-config TOML (default: llama3 debug)")
+    plan.add_argument("--nproc-per-node", default="1", help="devices per node")
+    plan.add_argument("--nnodes", default="1", help="nodes")
+    plan.add_argument("--device", choices=["npu", "cuda", "cpu"], help="force one")
+    memory = plan.add_mutually_exclusive_group()
+    memory.add_argument("--device-memory", help="per-device memory, e.g. 64GiB")
+    memory.add_argument(
+        "--device-name", help="a known device, e.g. Ascend910B3, H100 (its memory)"
+    )
+    plan.add_argument(
+        "--search",
+        action="store_true",
+        help="plan every tp x activation checkpointing x local batch layout for "
+        "the device count; rank those that fit",
+    )
+    plan.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run the plan's steps on this machine's devices and compare",
+    )
+    plan.add_argument("--plot", help="write a stacked-bar PNG here")
+    plan.set_defaults(handler=_plan)
+
     doctor = commands.add_parser("doctor", help="versions, device, patch table")
     doctor.set_defaults(handler=_doctor)
     commands.add_parser(
@@ -344,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "train":
+    if rest and args.command not in ("train", "plan"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if not args.version and args.command is None:
         parser.error("a command is required (train, convert, doctor, ...)")

@@ -28,6 +28,11 @@ class UntestedUpstreamError(RuntimeError):
     """The installed torchtitan has no upstream.lock entry."""
 
 
+class PlanError(ValueError):
+    """A memory plan that cannot be made: a bad memory size, an unknown
+    device, a layout the planner cannot simulate."""
+
+
 class UpstreamNotInstalled(ImportError):
     """torchtitan is not installed."""
 

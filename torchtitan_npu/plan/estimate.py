@@ -1,0 +1,267 @@
+"""One rank's memory over a training step, measured by PyTorch's memory
+tracker on fake tensors (no storage) under a fake process group.
+
+The run is the one upstream would build for the config (the era's
+``plan/<era>.py``): the model on meta, parallelized by upstream's own
+functions, its optimizer; then two steps (the second holds optimizer states)
+of upstream's forward_backward_step, gradient clipping and optimizer step.
+"""
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from torchtitan_npu.errors import PlanError
+
+# The memory tracker's categories -> the plan's. What a layout gathers or
+# sends (FSDP's unsharded parameters, TP's gathered activations) is counted
+# where it is made: in the forward as activations, in the backward as
+# temporaries, as are the optimizer step's own intermediates.
+CATEGORIES = {
+    "Parameter": "parameters",
+    "Gradient": "gradients",
+    "Optstate": "optimizer",
+    "Activation": "activations",
+    "Temp": "temporary",
+    "Buffer": "other",
+    "Other": "other",
+}
+PARTS = ("parameters", "gradients", "optimizer", "activations", "temporary", "other")
+
+
+@dataclass
+class RankMemory:
+    """One rank's peak (bytes), its parts at that moment, and the model
+    state it holds throughout (bytes of its local shards)."""
+
+    rank: int
+    peak: int
+    parts: dict[str, int]
+    model_state: dict[str, int] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """A process group of ``world_size`` whose collectives move nothing."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def uncompiled_flex_attention() -> Iterator[None]:
+    """flex_attention's op called as is: eager flex wraps it in torch.compile,
+    which refuses to trace under the tracker's dispatch mode."""
+    from torch.nn.attention import flex_attention
+
+    flag = "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"
+    before = getattr(flex_attention, flag)
+    setattr(flex_attention, flag, True)
+    try:
+        yield
+    finally:
+        setattr(flex_attention, flag, before)
+
+
+def local_bytes(tensors: Iterator[Any]) -> int:
+    """Bytes of the local shards of ``tensors`` (DTensors: their local part)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return total
+
+
+def model_state(trainer: Any) -> dict[str, int]:
+    """Bytes of the local shards of parameters, gradients, optimizer states."""
+    params = [p for m in trainer.model_parts for p in m.parameters()]
+    states = [
+        value
+        for optimizer in trainer.optimizers.optimizers
+        for state in optimizer.state.values()
+        for name, value in state.items()
+        if name != "step"  # a 0-dim step counter per parameter
+    ]
+    return {
+        "parameters": local_bytes(iter(params)),
+        "gradients": local_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": local_bytes(iter(states)),
+    }
+
+
+def tracker(trainer: Any) -> Any:
+    """PyTorch's memory tracker over the run's parts and optimizers, by
+    category and without per-module statistics."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepMemTracker(MemTracker):
+        """Its module hooks keep per-module snapshots and refuse a module
+        called again outside the model in one step (a chunked loss calls the
+        output projection per chunk, with a backward each): the plan needs
+        the categories only, which the tracker keeps without them."""
+
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            pass
+
+        def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
+            pass
+
+        def _pre_bw_hook(self, module: Any, args: Any) -> None:
+            pass
+
+        def _post_bw_hook(self, module: Any, args: Any) -> None:
+            pass
+
+        def reset_peak(self) -> None:
+            """Forget the peak so far (the tracker keeps one per device)."""
+            self._peak_mem.clear()
+            self._peak_mem_snap.clear()
+
+    memory = StepMemTracker()
+    memory.track_external(*trainer.model_parts, *trainer.optimizers.optimizers)
+    for part in trainer.model_parts:  # gradients by their hooks
+        memory._track_module_params_and_buffers(part, install_grad_hooks=True)
+    # Higher-order ops (flex attention) run through the tracker like any op:
+    # it counts their outputs.
+    memory.supports_higher_order_operators = True
+    return memory
+
+
+def run_steps(trainer: Any, era_plan: Any) -> RankMemory:
+    """Two training steps under the tracker: the second's peak and its parts."""
+    size, count = era_plan.microbatches(trainer)
+    memory = tracker(trainer)
+
+    def step() -> None:
+        trainer.optimizers.zero_grad()
+        batches = [era_plan.batch(trainer, size) for _ in range(count)]
+        inputs, labels = [b[0] for b in batches], [b[1] for b in batches]
+        tokens = torch.tensor(size * count * era_plan.seq_len(trainer))
+        era_plan.forward_backward(trainer, inputs, labels, tokens.to(trainer.device))
+        era_plan.clip_grad_norm(trainer)
+        memory.track_external(*trainer.model_parts)  # gradients FSDP assigned
+        trainer.optimizers.step()
+
+    with memory, uncompiled_flex_attention():
+        step()
+        # The first step creates the optimizer states; on fake tensors it also
+        # counts DTensor's sharding propagation (global shapes, under the same
+        # fake mode), which is cached for every later step.
+        memory.reset_peak()
+        step()
+    snapshot = next(iter(memory.get_tracker_snapshot("peak").values()))
+    parts = dict.fromkeys(PARTS, 0)
+    for key, value in snapshot.items():
+        if key != "Total":
+            parts[CATEGORIES.get(key, "other")] += value
+    state = model_state(trainer)
+    # The tracker counts the optimizer step's own temporaries as its state.
+    step_temporaries = max(0, parts["optimizer"] - state["optimizer"])
+    parts["optimizer"] -= step_temporaries
+    parts["temporary"] += step_temporaries
+    return RankMemory(
+        rank=torch.distributed.get_rank(),
+        peak=snapshot["Total"],
+        parts=parts,
+        model_state=state,
+    )
+
+
+@dataclass
+class Estimate:
+    """The plan of one layout: every simulated rank's memory (one per
+    pipeline stage; the others mirror them) and how long it took."""
+
+    degrees: dict[str, int]
+    ranks: list[RankMemory]
+    seconds: float
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.peak)
+
+
+def era_plan() -> ModuleType:
+    """``plan/<era>.py`` of the installed upstream."""
+    from torchtitan_npu.compat import resolve_upstream
+    from torchtitan_npu.compat.era import era_module
+
+    return era_module("torchtitan_npu.plan", resolve_upstream().era)
+
+
+def estimate(config: dict[str, Any], world_size: int) -> Estimate:
+    """Plan a resolved project config on ``world_size`` devices: the first
+    rank of every pipeline stage, simulated on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchtitan_npu.compat import resolve_upstream
+
+    plan = era_plan()
+    upstream = plan.upstream_config(config, resolve_upstream().installed.version)
+    start = time.perf_counter()
+    ranks, dims = [], None
+    pp = plan.pipeline_degree(upstream)
+    for rank in [stage * (world_size // pp) for stage in range(pp)]:
+        with fake_world(world_size, rank):
+            dims = plan.parallel_dims(upstream, world_size)
+            refuse_unplannable(dims)
+            dims.build_mesh()
+            # Small real tensors (device meshes) become fake where they meet.
+            fake = FakeTensorMode(allow_non_fake_inputs=True)
+            trainer = plan.build(upstream, dims, torch.device("cpu"), fake)
+            with fake:
+                ranks.append(run_steps(trainer, plan))
+            del trainer
+    assert dims is not None
+    return Estimate(degrees(dims), ranks, time.perf_counter() - start)
+
+
+def measure(config: dict[str, Any], device: torch.device) -> RankMemory:
+    """The same steps on real tensors in this process's (torchrun) process
+    group: what the estimate predicts, measured by the same tracker."""
+    import torch.distributed as dist
+
+    from torchtitan_npu.compat import resolve_upstream
+
+    plan = era_plan()
+    upstream = plan.upstream_config(config, resolve_upstream().installed.version)
+    dims = plan.parallel_dims(upstream, dist.get_world_size())
+    dims.build_mesh()
+    trainer = plan.build(upstream, dims, device, contextlib.nullcontext())
+    return run_steps(trainer, plan)
+
+
+# Layouts the fake process group cannot simulate yet, and why.
+UNPLANNABLE = {
+    "pp": "its stages learn their activation shapes from each other over the "
+    "process group at the first step",
+    "cp": "its attention is compiled, which the memory tracker cannot follow",
+}
+
+
+def refuse_unplannable(dims: Any) -> None:
+    for name, why in UNPLANNABLE.items():
+        if getattr(dims, name) > 1:
+            raise PlanError(
+                f"{name} {getattr(dims, name)} cannot be planned yet ({why}); "
+                f"plan the layout with {name} 1"
+            )
+
+
+def degrees(dims: Any) -> dict[str, int]:
+    names = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+    return {n: getattr(dims, n) for n in names}

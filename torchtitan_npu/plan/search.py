@@ -1,0 +1,91 @@
+"""`plan --search`: the layouts a device count allows, each planned, ranked.
+
+Candidates keep the config's model, sequence and everything else; they vary
+the tensor-parallel degree (within a node), activation checkpointing and the
+local batch; FSDP shards over the remaining devices. A smaller local batch
+is tried only while the larger one does not fit.
+"""
+
+import copy
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torchtitan_npu.errors import PlanError
+from torchtitan_npu.plan.estimate import Estimate, estimate
+
+AC_MODES = ("none", "selective", "full")  # lightest (fastest) first
+
+
+@dataclass
+class Candidate:
+    tp: int
+    ac: str
+    local_batch: int
+    estimate: Estimate | None = None
+    failure: str = ""
+
+    def peak(self) -> int:
+        return self.estimate.worst.peak if self.estimate else 0
+
+
+def layout_config(config: dict[str, Any], world_size: int, c: Candidate) -> dict:
+    """``config`` with the candidate's layout (pp and cp off)."""
+    out = copy.deepcopy(config)
+    parallelism = out.setdefault("parallelism", {})
+    parallelism.update(
+        tensor_parallel_degree=c.tp,
+        data_parallel_shard_degree=world_size // c.tp,
+        data_parallel_replicate_degree=1,
+        pipeline_parallel_degree=1,
+        context_parallel_degree=1,
+    )
+    out.setdefault("activation_checkpoint", {})["mode"] = c.ac
+    out.setdefault("training", {})["local_batch_size"] = c.local_batch
+    return out
+
+
+def search(
+    config: dict[str, Any],
+    world_size: int,
+    per_node: int,
+    memory: int,
+    progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> list[Candidate]:
+    """Plan every candidate; fitting ones first (fastest expected first),
+    then the misses by how much they exceed ``memory``."""
+    batch = config.get("training", {}).get("local_batch_size", 8)
+    tps = [t for t in range(1, min(per_node, world_size) + 1) if world_size % t == 0]
+    planned: list[Candidate] = []
+    groups = [(tp, ac) for tp in tps for ac in AC_MODES]
+    for i, (tp, ac) in enumerate(groups, 1):
+        size = batch
+        while size >= 1:
+            c = Candidate(tp, ac, size)
+            try:
+                c.estimate = estimate(layout_config(config, world_size, c), world_size)
+            except PlanError as e:
+                c.failure = str(e)
+            except Exception as e:  # noqa: BLE001 - upstream refuses the layout
+                c.failure = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            planned.append(c)
+            shown = _gib(c.peak()) if c.estimate else c.failure
+            progress(f"[{i}/{len(groups)}] tp {tp}, ac {ac}, batch {size}: {shown}")
+            if c.failure or c.peak() <= memory:
+                break
+            size //= 2
+    return rank(planned, memory)
+
+
+def rank(planned: list[Candidate], memory: int) -> list[Candidate]:
+    fits = [c for c in planned if c.estimate and c.peak() <= memory]
+    fits.sort(key=lambda c: (-c.local_batch, AC_MODES.index(c.ac), c.tp))
+    misses = [c for c in planned if c.estimate and c.peak() > memory]
+    misses.sort(key=lambda c: c.peak())
+    failed = [c for c in planned if not c.estimate]
+    return fits + misses + failed
+
+
+def _gib(value: int) -> str:
+    return f"{value / 1024**3:.2f} GiB"
