@@ -69,7 +69,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from torchtitan_npu import launcher
     from torchtitan_npu.config import preflight, resolve
-    from torchtitan_npu.distributed import DEVICE_ENV, check_torch_loads
+    from torchtitan_npu.distributed import check_torch_loads
     from torchtitan_npu.plan import devices
 
     world_size = launcher.world_size(args.nproc_per_node, args.nnodes)
@@ -82,10 +82,15 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         memory = devices.device_memory(args.device_name)
     if args.search and memory is None:
         raise devices.PlanError("--search needs --device-memory or --device-name")
-    if args.device:
-        os.environ[DEVICE_ENV] = args.device
     config = resolve(args.config, overrides)
     check_torch_loads()
+    from torchtitan_npu.distributed import select_device_type
+
+    target = args.device or (
+        devices.device_type_of(args.device_name)
+        if args.device_name
+        else select_device_type()
+    )
     launch = f"--nproc-per-node {args.nproc_per_node} x --nnodes {args.nnodes}"
     preflight.check(
         config, world_size=None if args.search else world_size, launch=launch
@@ -99,17 +104,18 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     print(
         f"titan-npu plan: {model.get('name')} {model.get('flavor')}, seq_len "
         f"{training.get('seq_len')}, local batch {training.get('local_batch_size')}, "
-        f"on {world_size} devices",
+        f"on {world_size} {target} devices",
         file=sys.stderr,
         flush=True,
     )
     if args.search:
         assert memory is not None  # checked above
-        ranked = search(config, world_size, int(args.nproc_per_node), memory)
+        per_node = int(args.nproc_per_node)
+        ranked = search(config, world_size, per_node, memory, target)
         print(report.ranking(ranked, memory, world_size))
         planned = report.bars(ranked)
     else:
-        result = estimate(config, world_size)
+        result = estimate(config, world_size, target)
         print(report.describe(result, memory))
         planned = [(report.layout_name(result.degrees), result.worst)]
         if args.measure:
@@ -393,7 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", help="train-config TOML (default: llama3 debug)")
     plan.add_argument("--nproc-per-node", default="1", help="devices per node")
     plan.add_argument("--nnodes", default="1", help="nodes")
-    plan.add_argument("--device", choices=["npu", "cuda", "cpu"], help="force one")
+    plan.add_argument(
+        "--device",
+        choices=["npu", "cuda", "cpu"],
+        help="the device type to plan for (default: --device-name's, else this "
+        "machine's); planning itself runs on the CPU",
+    )
     memory = plan.add_mutually_exclusive_group()
     memory.add_argument("--device-memory", help="per-device memory, e.g. 64GiB")
     memory.add_argument(

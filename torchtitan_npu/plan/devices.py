@@ -58,5 +58,10 @@ def device_memory(name: str) -> int:
     return DEVICE_MEMORY[key] * GIB
 
 
+def device_type_of(name: str) -> str:
+    """npu for Ascend devices, cuda for the others in the table."""
+    return "npu" if _normal(name).startswith("ascend") else "cuda"
+
+
 def _normal(name: str) -> str:
     return re.sub(r"[\s_-]", "", name).lower()

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from torchtitan_npu.errors import PlanError
+from torchtitan_npu.plan.attention import attention_for
 
 # The memory tracker's categories -> the plan's. What a layout gathers or
 # sends (FSDP's unsharded parameters, TP's gathered activations) is counted
@@ -56,21 +57,6 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def uncompiled_flex_attention() -> Iterator[None]:
-    """flex_attention's op called as is: eager flex wraps it in torch.compile,
-    which refuses to trace under the tracker's dispatch mode."""
-    from torch.nn.attention import flex_attention
-
-    flag = "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"
-    before = getattr(flex_attention, flag)
-    setattr(flex_attention, flag, True)
-    try:
-        yield
-    finally:
-        setattr(flex_attention, flag, before)
 
 
 def local_bytes(tensors: Iterator[Any]) -> int:
@@ -141,8 +127,9 @@ def tracker(trainer: Any) -> Any:
     return memory
 
 
-def run_steps(trainer: Any, era_plan: Any) -> RankMemory:
-    """Two training steps under the tracker: the second's peak and its parts."""
+def run_steps(trainer: Any, era_plan: Any, target: str) -> RankMemory:
+    """Two training steps under the tracker, attention as the ``target``
+    device type runs it: the second step's peak and its parts."""
     size, count = era_plan.microbatches(trainer)
     memory = tracker(trainer)
 
@@ -156,7 +143,7 @@ def run_steps(trainer: Any, era_plan: Any) -> RankMemory:
         memory.track_external(*trainer.model_parts)  # gradients FSDP assigned
         trainer.optimizers.step()
 
-    with memory, uncompiled_flex_attention():
+    with memory, attention_for(target):
         step()
         # The first step creates the optimizer states; on fake tensors it also
         # counts DTensor's sharding propagation (global shapes, under the same
@@ -203,9 +190,9 @@ def era_plan() -> ModuleType:
     return era_module("torchtitan_npu.plan", resolve_upstream().era)
 
 
-def estimate(config: dict[str, Any], world_size: int) -> Estimate:
-    """Plan a resolved project config on ``world_size`` devices: the first
-    rank of every pipeline stage, simulated on fake tensors."""
+def estimate(config: dict[str, Any], world_size: int, target: str) -> Estimate:
+    """Plan a resolved project config on ``world_size`` devices of type
+    ``target``: the first rank of every pipeline stage, on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from torchtitan_npu.compat import resolve_upstream
@@ -224,7 +211,7 @@ def estimate(config: dict[str, Any], world_size: int) -> Estimate:
             fake = FakeTensorMode(allow_non_fake_inputs=True)
             trainer = plan.build(upstream, dims, torch.device("cpu"), fake)
             with fake:
-                ranks.append(run_steps(trainer, plan))
+                ranks.append(run_steps(trainer, plan, target))
             del trainer
     assert dims is not None
     return Estimate(degrees(dims), ranks, time.perf_counter() - start)
@@ -242,7 +229,7 @@ def measure(config: dict[str, Any], device: torch.device) -> RankMemory:
     dims = plan.parallel_dims(upstream, dist.get_world_size())
     dims.build_mesh()
     trainer = plan.build(upstream, dims, device, contextlib.nullcontext())
-    return run_steps(trainer, plan)
+    return run_steps(trainer, plan, device.type)
 
 
 # Layouts the fake process group cannot simulate yet, and why.

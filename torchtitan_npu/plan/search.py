@@ -51,10 +51,12 @@ def search(
     world_size: int,
     per_node: int,
     memory: int,
+    target: str,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> list[Candidate]:
-    """Plan every candidate; fitting ones first (fastest expected first),
-    then the misses by how much they exceed ``memory``."""
+    """Plan every candidate on ``target`` devices; fitting ones first
+    (fastest expected first), then the misses by how much they exceed
+    ``memory``."""
     batch = config.get("training", {}).get("local_batch_size", 8)
     tps = [t for t in range(1, min(per_node, world_size) + 1) if world_size % t == 0]
     planned: list[Candidate] = []
@@ -64,7 +66,8 @@ def search(
         while size >= 1:
             c = Candidate(tp, ac, size)
             try:
-                c.estimate = estimate(layout_config(config, world_size, c), world_size)
+                candidate_config = layout_config(config, world_size, c)
+                c.estimate = estimate(candidate_config, world_size, target)
             except PlanError as e:
                 c.failure = str(e)
             except Exception as e:  # noqa: BLE001 - upstream refuses the layout
