@@ -195,8 +195,10 @@ def estimate(config: dict[str, Any], world_size: int, target: str) -> Estimate:
     ``target``: the first rank of every pipeline stage, on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from torchtitan_npu.bootstrap import activate
     from torchtitan_npu.compat import resolve_upstream
 
+    activate()  # the overlay trains on CPU: planning runs there
     plan = era_plan()
     upstream = plan.upstream_config(config, resolve_upstream().installed.version)
     start = time.perf_counter()
@@ -215,6 +217,39 @@ def estimate(config: dict[str, Any], world_size: int, target: str) -> Estimate:
             del trainer
     assert dims is not None
     return Estimate(degrees(dims), ranks, time.perf_counter() - start)
+
+
+def estimate_apart(config: dict[str, Any], world_size: int, target: str) -> Estimate:
+    """``estimate`` in a forked child: upstream keeps per-process state of a
+    built run (meshes, caches) that a second layout in the same process
+    would inherit. The child starts with everything imported."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(
+        target=_estimate_into, args=(send, config, world_size, target)
+    )
+    child.start()
+    send.close()
+    try:
+        kind, value = receive.recv()
+    except EOFError:
+        kind, value = "error", f"the planning process died (exit {child.exitcode})"
+    child.join()
+    if kind == "error":
+        raise PlanError(value)
+    return value
+
+
+def _estimate_into(
+    send: Any, config: dict[str, Any], world_size: int, target: str
+) -> None:
+    try:
+        send.send(("ok", estimate(config, world_size, target)))
+    except Exception as e:  # noqa: BLE001 - reported by the parent
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        send.send(("error", f"{type(e).__name__}: {first}"))
 
 
 def measure(config: dict[str, Any], device: torch.device) -> RankMemory:

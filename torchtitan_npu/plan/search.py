@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchtitan_npu.errors import PlanError
-from torchtitan_npu.plan.estimate import Estimate, estimate
+from torchtitan_npu.plan.estimate import Estimate, estimate_apart
 
 AC_MODES = ("none", "selective", "full")  # lightest (fastest) first
 
@@ -67,11 +67,9 @@ def search(
             c = Candidate(tp, ac, size)
             try:
                 candidate_config = layout_config(config, world_size, c)
-                c.estimate = estimate(candidate_config, world_size, target)
-            except PlanError as e:
+                c.estimate = estimate_apart(candidate_config, world_size, target)
+            except PlanError as e:  # upstream refuses the layout, or pp/cp
                 c.failure = str(e)
-            except Exception as e:  # noqa: BLE001 - upstream refuses the layout
-                c.failure = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
             planned.append(c)
             shown = _gib(c.peak()) if c.estimate else c.failure
             progress(f"[{i}/{len(groups)}] tp {tp}, ac {ac}, batch {size}: {shown}")
