@@ -1,0 +1,118 @@
+"""How good `titan-npu plan` is, on this machine (docs/plan.md has results).
+
+    python benchmarks/plan.py accuracy [--layouts single,fsdp,...]
+    python benchmarks/plan.py real-sizes
+
+accuracy: each matrix layout of the debug model, estimated (fake tensors,
+fake process group) and then run for real on CPU under torchrun (gloo) with
+the same memory tracker: predicted vs measured per-rank peak and model
+state. Run it with each era's python (e.g. .nox/upstream-0.2.2/bin/python).
+
+real-sizes: wall time and peak RSS of `titan-npu plan` for published sizes
+(a subprocess each, so its RSS is its own).
+"""
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# name -> (processes, overrides)
+LAYOUTS = {
+    "single": (1, []),
+    "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2",
+                "--parallelism.data_parallel_shard_degree", "1"]),
+    "fsdp": (2, []),
+    "fsdp_ac_full": (2, ["--activation_checkpoint.mode", "full"]),
+    "fsdp_ac_selective": (2, ["--activation_checkpoint.mode", "selective"]),
+    "tp": (2, ["--parallelism.tensor_parallel_degree", "2",
+               "--parallelism.data_parallel_shard_degree", "1"]),
+    "fsdp_tp": (4, ["--parallelism.tensor_parallel_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "2"]),
+    "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2",
+                 "--parallelism.data_parallel_shard_degree", "2"]),
+}  # fmt: skip
+
+REAL_SIZES = {
+    "llama3 8B, 8 devices (FSDP), seq 8192, batch 2, selective AC, bf16": [
+        "--model.flavor", "8B", "--nproc-per-node", "8", "--device-name", "H100",
+        "--training.seq_len", "8192", "--training.local_batch_size", "2",
+        "--training.mixed_precision_param", "bfloat16",
+        "--activation_checkpoint.mode", "selective",
+    ],
+    "llama3 8B, 128 devices (FSDP), same": [
+        "--model.flavor", "8B", "--nproc-per-node", "8", "--nnodes", "16",
+        "--device-name", "H100", "--training.seq_len", "8192",
+        "--training.local_batch_size", "2",
+        "--training.mixed_precision_param", "bfloat16",
+        "--activation_checkpoint.mode", "selective",
+    ],
+}  # fmt: skip
+
+
+def mib(value: int) -> str:
+    return f"{value / 2**20:.2f}"
+
+
+def accuracy(layouts: list[str]) -> None:
+    from torchtitan_npu.compat import resolve_upstream
+    from torchtitan_npu.config import resolve
+    from torchtitan_npu.plan.estimate import estimate_apart
+
+    version = resolve_upstream().installed.version
+    print(f"torchtitan {version}")
+    print("| layout | ranks | predicted peak MiB | measured peak MiB | error "
+          "| model state (params/grads/opt MiB) | equal |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name in layouts:
+        nproc, overrides = LAYOUTS[name]
+        config = resolve(None, overrides)
+        predicted = estimate_apart(config, nproc, "cpu").worst
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(config))
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(nproc), "-m", "torchtitan_npu.plan.measure",
+                str(Path(tmp) / "config.json"), tmp,
+            ]  # fmt: skip
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                print(f"| {name} | {nproc} | {mib(predicted.peak)} | run failed |")
+                continue
+            rank = json.loads((Path(tmp) / f"rank-{predicted.rank}.json").read_text())
+        error = predicted.peak / rank["peak"] - 1
+        state = "/".join(mib(v) for v in predicted.model_state.values())
+        equal = "yes" if predicted.model_state == rank["model_state"] else "NO"
+        print(f"| {name} | {nproc} | {mib(predicted.peak)} | {mib(rank['peak'])} "
+              f"| {error:+.2%} | {state} | {equal} |", flush=True)  # fmt: skip
+
+
+def real_sizes() -> None:
+    for name, args in REAL_SIZES.items():
+        command = [sys.executable, "-m", "torchtitan_npu.cli", "plan", *args]
+        start = time.perf_counter()
+        result = subprocess.run(command, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # GiB
+        peak = [line for line in result.stdout.splitlines() if " peak " in line]
+        print(f"{name}: {peak[:1] or result.stderr[-300:]}; wall {wall:.1f} s; "
+              f"peak RSS so far {rss:.2f} GiB", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["accuracy", "real-sizes"])
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    args = parser.parse_args()
+    if args.what == "accuracy":
+        accuracy(args.layouts.split(","))
+    else:
+        real_sizes()
+
+
+if __name__ == "__main__":
+    main()
