@@ -40,6 +40,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         check_torch_loads()  # torch_npu without CANN: one line, not a traceback
         preflight.check(config, world_size=world_size, launch=launch)
+        if args.plan:
+            _plan_before_training(config, world_size)
         run_dir = dump_folder / "logs" / launch_id
         run_dir.mkdir(parents=True)
         resolved = dump_folder / "titan_npu_config.json"
@@ -64,6 +66,32 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     tb_folder = dump_folder / metrics["save_tb_folder"]
     print(launcher.run_summary(result, dump_folder, tb_folder), flush=True)
     return 0
+
+
+def _plan_before_training(config: dict, world_size: int | None) -> None:
+    """`train --plan`: the estimate, one line; a warning (the run still
+    starts) when it exceeds this machine's device memory."""
+    from torchtitan_npu.distributed import select_device_type
+    from torchtitan_npu.plan import devices, report
+    from torchtitan_npu.plan.estimate import estimate_apart
+
+    if world_size is None:
+        print("titan-npu: plan: skipped (elastic --nnodes MIN:MAX)", flush=True)
+        return
+    device_type = select_device_type()
+    worst = estimate_apart(config, world_size, device_type).worst
+    memory = devices.local_device_memory(device_type)
+    fit = report.verdict(worst.peak, memory) if memory else f"{device_type}: no limit"
+    print(
+        f"titan-npu: plan: peak {report.size(worst.peak)} per rank; {fit}", flush=True
+    )
+    if memory is not None and worst.peak > memory:
+        print(
+            "titan-npu: warning: the plan's peak exceeds the device memory; "
+            "training anyway (see `titan-npu plan --search`)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -312,6 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", choices=["npu", "cuda", "cpu"], help="force one")
     train.add_argument(
         "--log-all-ranks", action="store_true", help="print every rank's log"
+    )
+    train.add_argument(
+        "--plan",
+        action="store_true",
+        help="estimate per-rank memory first (titan-npu plan); warn if it "
+        "exceeds the device",
     )
     train.add_argument(
         "--verbose",

@@ -57,7 +57,7 @@ def attention_for(device_type: str) -> Iterator[None]:
     from torch.nn.attention import flex_attention as module
 
     saved = {name: getattr(module, name) for name in _NAMES}
-    module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    setattr(module, _UNCOMPILED, True)
     if device_type != "cpu":
         module.flex_attention = fused_flex_attention
     try:
@@ -67,4 +67,5 @@ def attention_for(device_type: str) -> Iterator[None]:
             setattr(module, name, value)
 
 
-_NAMES = ("_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", "flex_attention")
+_UNCOMPILED = "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"  # torch calls the op as is
+_NAMES = (_UNCOMPILED, "flex_attention")

@@ -58,6 +58,17 @@ def device_memory(name: str) -> int:
     return DEVICE_MEMORY[key] * GIB
 
 
+def local_device_memory(device_type: str) -> int | None:
+    """Total memory of this machine's first device of ``device_type`` (None
+    on CPU)."""
+    import torch
+
+    module = getattr(torch, device_type, None) if device_type != "cpu" else None
+    if module is None or not module.is_available():
+        return None
+    return module.get_device_properties(0).total_memory
+
+
 def device_type_of(name: str) -> str:
     """npu for Ascend devices, cuda for the others in the table."""
     return "npu" if _normal(name).startswith("ascend") else "cuda"

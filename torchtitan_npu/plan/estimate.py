@@ -239,6 +239,7 @@ def estimate_apart(config: dict[str, Any], world_size: int, target: str) -> Esti
     child.join()
     if kind == "error":
         raise PlanError(value)
+    assert isinstance(value, Estimate)
     return value
 
 
