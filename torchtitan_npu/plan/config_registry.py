@@ -6,10 +6,11 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 # pyrefly: ignore[missing-import]  # 0.3.x only
 from torchtitan.trainer import Trainer
+
+from torchtitan_npu.plan.estimate import materialize
 
 
 def upstream_config(config: dict[str, Any], version: str) -> Any:
@@ -32,8 +33,6 @@ def build(
     device: torch.device,
     tensors: AbstractContextManager,
 ) -> Any:
-    # Initializing fake weights would compute nothing (and asks for values).
-    init = not isinstance(tensors, FakeTensorMode)
     """An upstream Trainer holding the run's model parts, optimizers, loss and
     step functions: everything its forward_backward_step reads (the model
     built on meta, then materialized on ``device`` under ``tensors``: fake or
@@ -79,13 +78,7 @@ def build(
         )
     else:
         trainer.model_parts = [spec.parallelize_fn(model, **common)]
-    with tensors:
-        for part in trainer.model_parts:
-            part.to_empty(device=device)
-            if init:
-                with torch.no_grad():
-                    part.init_weights(buffer_device=None)  # pyrefly: ignore[not-callable]
-            part.train()
+    materialize(trainer.model_parts, device, tensors)
     _attach_lm_head(trainer)
     with tensors:
         trainer.optimizers = config.optimizer.build(model_parts=trainer.model_parts)

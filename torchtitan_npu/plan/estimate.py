@@ -59,6 +59,23 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def materialize(
+    parts: list[Any], device: torch.device, tensors: contextlib.AbstractContextManager
+) -> None:
+    """Model parts built on meta, allocated on ``device`` under ``tensors``
+    (fake or real) and set to train; real weights initialized (fake ones
+    would compute nothing, and initializers ask for values)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with tensors:
+        for part in parts:
+            part.to_empty(device=device)
+            if not isinstance(tensors, FakeTensorMode):
+                with torch.no_grad():
+                    part.init_weights(buffer_device=None)
+            part.train()
+
+
 def local_bytes(tensors: Iterator[Any]) -> int:
     """Bytes of the local shards of ``tensors`` (DTensors: their local part)."""
     from torch.distributed.tensor import DTensor

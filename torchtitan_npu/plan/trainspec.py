@@ -8,10 +8,11 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 # pyrefly: ignore[missing-import]  # 0.2.x only
 from torchtitan.train import Trainer
+
+from torchtitan_npu.plan.estimate import materialize
 
 
 def upstream_config(config: dict[str, Any], version: str) -> Any:
@@ -59,8 +60,6 @@ def build(
     device: torch.device,
     tensors: AbstractContextManager,
 ) -> Any:
-    # Initializing fake weights would compute nothing (and asks for values).
-    init = not isinstance(tensors, FakeTensorMode)
     """An upstream Trainer holding the run's model parts, optimizers, loss and
     contexts: everything its forward_backward_step reads (the model
     built on meta, then materialized on ``device`` under ``tensors``: fake or
@@ -106,13 +105,7 @@ def build(
         )
     else:
         trainer.model_parts = [spec.parallelize_fn(model, dims, job)]
-    with tensors:
-        for part in trainer.model_parts:
-            part.to_empty(device=device)
-            if init:
-                with torch.no_grad():
-                    part.init_weights(buffer_device=None)  # pyrefly: ignore[not-callable]
-            part.train()
+    materialize(trainer.model_parts, device, tensors)
     with tensors:
         trainer.optimizers = spec.build_optimizers_fn(
             trainer.model_parts, job.optimizer, dims
