@@ -21,10 +21,6 @@ from torchtitan_npu.plan import devices
 
 PEAK_RTOL = 0.10
 
-# The planner fails on 0.2.0/0.2.1 (a TypeError in their build APIs, not yet
-# adapted): planned on the newest release of each era only, for now.
-pytestmark = requires_newest_of_era("plan/trainspec.py follows 0.2.2's build APIs")
-
 
 @pytest.fixture(autouse=True)
 def overlay_off_after():

@@ -2,7 +2,7 @@
 upstream: loss falls, and two launches are bit-identical (TensorBoard values)."""
 
 import pytest
-from support import assert_bit_identical, assert_loss_falls, newest_of_its_era, train
+from support import assert_bit_identical, assert_loss_falls, train
 
 pytestmark = pytest.mark.e2e
 
@@ -11,14 +11,12 @@ pytestmark = pytest.mark.e2e
 def test_training_falls_and_is_deterministic(tmp_path, nproc):
     first = train(tmp_path / "first", nproc=nproc)
     # --plan estimates memory in a child of the launcher: nothing changes
-    plan = ["--plan"] if newest_of_its_era() else []  # 0.2.0/0.2.1: see test_plan
-    second = train(tmp_path / "second", *plan, nproc=nproc)
+    second = train(tmp_path / "second", "--plan", nproc=nproc)
     assert sorted(first["loss_metrics/global_avg_loss"]) == [1, 2, 3, 4]
     assert_loss_falls(first)
     assert_bit_identical(first, second)
     log = (tmp_path / "second.log").read_text()
-    if plan:
-        assert "titan-npu: plan: peak " in log and "per rank; cpu: no limit" in log
+    assert "titan-npu: plan: peak " in log and "per rank; cpu: no limit" in log
 
 
 def test_untranslatable_key_stops_before_training(tmp_path):

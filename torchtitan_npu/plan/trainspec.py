@@ -2,6 +2,7 @@
 upstream's Trainer builds it (train spec, model converters, parallelize or
 pipelining function, optimizers), on fake tensors."""
 
+import inspect
 import os
 import tempfile
 from contextlib import AbstractContextManager
@@ -143,10 +144,13 @@ def microbatches(trainer: Any) -> tuple[int, int]:
 
 
 def forward_backward(trainer: Any, inputs: list, labels: list, tokens: Any) -> None:
-    """Upstream's forward_backward_step on the step's batch."""
-    trainer.forward_backward_step(
-        input_dict=inputs[0], labels=labels[0], global_valid_tokens=tokens
-    )
+    """Upstream's forward_backward_step on the step's batch (0.2.2 added the
+    global token count that scales the loss; 0.2.0/0.2.1 take none)."""
+    step = trainer.forward_backward_step
+    kwargs = {"input_dict": inputs[0], "labels": labels[0]}
+    if "global_valid_tokens" in inspect.signature(step).parameters:
+        kwargs["global_valid_tokens"] = tokens
+    step(**kwargs)
 
 
 def clip_grad_norm(trainer: Any) -> None:
