@@ -1,9 +1,10 @@
 """Sessions: lint, tests (the locked env), dist (the built wheel in a clean
 venv), npu_without_cann (torch-npu on a host without CANN), upstream (one env
 per upstream.lock entry), matrix (every locked upstream x every parallel
-layout), matrix_ci (CI's share of it), docs. `uv run nox` runs lint, tests,
+layout), matrix_ci (CI's share of it), full (every test on every locked
+upstream, then the whole matrix), docs. `uv run nox` (CI) runs lint, tests,
 dist, npu_without_cann, the upstream sessions of the non-default lock entries,
-and matrix_ci."""
+and matrix_ci: a share of the slow tests (tests/support.py FULL_SUITE)."""
 
 import os
 import shutil
@@ -194,16 +195,17 @@ def matrix(session):
     run_matrix(session, {v: chosen["--layout"] for v in versions}, args)
 
 
-# CI's share of the matrix (the full one takes ~35 min here): the llama3
-# layouts (one PP schedule, selective AC), the core qwen2 ones and fine-tuning
-# a user's own HF llama on the default upstream, and the core layouts on the
-# newest of the other era (cp there is the slowest cell, 2.3 min: the default
-# upstream's cp row covers the patch; qwen2 there: its pp row).
+# CI's share of the matrix (the whole one takes ~50 min on 2 cores): on the
+# default upstream one cell per mechanism -- the single-device reference,
+# FSDP, TP, PP, CP, selective AC, the injected qwen2, the kernel converters on
+# the 2-D (FSDP x TP) mesh, fine-tuning a user's own HF llama, a resume under
+# another layout, the checkpoint upgrade from the other era -- and the core
+# layouts on the newest of the other era. The rest (ddp, hsdp, fsdp_tp, the
+# other PP schedules and PP x FSDP, every qwen2 layout, ...) is `nox -s matrix`.
 CI_MATRIX = {
-    DEFAULT: "single,ddp,fsdp,hsdp,tp,fsdp_tp,pp_1f1b,pp_fsdp,cp,fsdp_ac_selective,"
-    "qwen2_single,qwen2_fsdp,qwen2_converters_fsdp,qwen2_pp_1f1b,converters_fsdp_tp,"
-    "hf_finetune,resume_fsdp_to_single,resume_fsdp_to_fsdp_tp,upgrade",
-    "0.2.2": "single,ddp,fsdp,tp,pp_1f1b,qwen2_pp_1f1b,converters_fsdp",
+    DEFAULT: "single,fsdp,tp,pp_1f1b,cp,fsdp_ac_selective,qwen2_fsdp,"
+    "converters_fsdp_tp,hf_finetune,resume_fsdp_to_single,upgrade",
+    "0.2.2": "single,fsdp,pp_1f1b",
 }
 
 
@@ -240,6 +242,19 @@ def run_matrix(session: nox.Session, layouts: dict[str, str], args: list[str]):
         env={"PYTHONPATH": paths},
         external=True,
     )  # fmt: skip
+
+
+@nox.session(venv_backend="none")
+def full(session):
+    """Every test on every locked upstream (FULL_SUITE: no CI share), then the
+    whole matrix. ~2.5 h on 2 cores."""
+    env = {"TITAN_NPU_FULL_SUITE": "1"}
+    session.run("uv", "run", "--frozen", "pytest", "-n", "2", env=env, external=True)
+    for version in VERSIONS:
+        if version != DEFAULT:
+            pytest = upstream_env(session, version) / "bin" / "pytest"
+            session.run(pytest, "-n", "2", env=env, external=True)
+    run_matrix(session, {v: "all" for v in VERSIONS}, [])
 
 
 @nox.session(venv_backend="none")

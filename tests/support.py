@@ -46,6 +46,24 @@ def train(
     return read_scalars(dump_folder)
 
 
+def warm_train(
+    launcher, dump_folder: Path, *args: str, nproc: int = 1, steps: int = 4
+) -> dict:
+    """`train`'s run through the warm launcher (tests/launch.py: no import cost
+    per launch); rank 0's output goes to ``<dump_folder>.log`` as `train`'s."""
+    from launch import rank_log
+
+    try:
+        return launcher.train(
+            dump_folder,
+            [*SMALL_RUN, "--training.steps", str(steps), *args],
+            nproc=nproc,
+        )
+    finally:
+        log = dump_folder.parent / f"{dump_folder.name}.log"
+        log.write_text(rank_log(dump_folder))
+
+
 def assert_bit_identical(a: dict, b: dict) -> None:
     for tag in (LOSS, GRAD_NORM):
         assert a[tag] == b[tag], f"{tag} differs: {a[tag]} vs {b[tag]}"
@@ -98,9 +116,14 @@ def newest_of_its_era() -> bool:
     return installed.installed.version == newest.version
 
 
+# CI (`uv run nox`) runs a share of the slow tests; `nox -s full` sets this and
+# runs every test on every locked upstream.
+FULL_SUITE = os.environ.get("TITAN_NPU_FULL_SUITE") == "1"
+
+
 def requires_newest_of_era(why: str):
     """Run a slow test once per era (CI time); older entries share its code path."""
-    return pytest.mark.skipif(not newest_of_its_era(), reason=why)
+    return pytest.mark.skipif(not (FULL_SUITE or newest_of_its_era()), reason=why)
 
 
 def requires_default_upstream(why: str):
@@ -108,6 +131,11 @@ def requires_default_upstream(why: str):
     from torchtitan_npu.compat.lock import default_entry, read_lock
 
     default = default_entry(read_lock()).version
-    return pytest.mark.skipif(
-        resolve_upstream().installed.version != default, reason=why
-    )
+    installed = resolve_upstream().installed.version
+    return pytest.mark.skipif(not (FULL_SUITE or installed == default), reason=why)
+
+
+def full_suite_only(why: str):
+    """A slow test whose behaviour CI's share already sees elsewhere (`why`
+    says where); `nox -s full` runs it."""
+    return pytest.mark.skipif(not FULL_SUITE, reason=why)

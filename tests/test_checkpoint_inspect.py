@@ -6,7 +6,7 @@ import re
 
 import pytest
 from hf_families import write_hf
-from support import requires_newest_of_era, train
+from support import requires_newest_of_era, warm_train
 
 from torchtitan_npu.bootstrap import deactivate
 from torchtitan_npu.cli import main
@@ -21,11 +21,11 @@ ERA = convert.current_era()
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
+def fsdp_run(launcher, tmp_path_factory):
     """A 2-step FSDP(2) run's dump folder, checkpointed in full at step 2."""
     dump = tmp_path_factory.mktemp("fsdp") / "run"
-    train(
-        dump,
+    warm_train(
+        launcher, dump,
         "--checkpoint.enable", "true", "--checkpoint.interval", "2",
         "--checkpoint.last_save_model_only", "false",  # 0.2.x's default: true
         "--parallelism.data_parallel_shard_degree", "2",

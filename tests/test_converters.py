@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 from hf_support import native_model
-from support import LOSS, heavy_except, requires_newest_of_era, train
+from support import LOSS, heavy_except, requires_newest_of_era, warm_train
 
 from torchtitan_npu import converters
 from torchtitan_npu.bootstrap import activate, deactivate
@@ -502,10 +502,12 @@ def test_train_config_translation(era, upstream):
 
 @pytest.mark.e2e
 @requires_newest_of_era("one end-to-end converter run per era")
-def test_training_with_converters_matches_without(tmp_path):
+def test_training_with_converters_matches_without(launcher, tmp_path):
     names = "rms_norm,rope,attention,swiglu"
-    plain = train(tmp_path / "plain", steps=3)
-    converted = train(tmp_path / "converted", "--model.converters", names, steps=3)
+    plain = warm_train(launcher, tmp_path / "plain", steps=3)
+    converted = warm_train(
+        launcher, tmp_path / "converted", "--model.converters", names, steps=3
+    )
     for step, loss in plain[LOSS].items():
         assert converted[LOSS][step] == pytest.approx(loss, rel=1e-5, abs=0)
     log = (tmp_path / "converted.log").read_text()

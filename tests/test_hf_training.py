@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import assert_bit_identical, requires_newest_of_era, train
+from support import assert_bit_identical, requires_newest_of_era, warm_train
 
 from torchtitan_npu.state_dict_adapters import convert, get_adapter
 from torchtitan_npu.state_dict_adapters import upstream_models as um
@@ -33,11 +33,11 @@ def hf_tensors(path):
     return out
 
 
-def test_hf_save_and_load_in_training(tmp_path):
+def test_hf_save_and_load_in_training(launcher, tmp_path):
     # The same FSDP2 run twice: once saving HF in training, once DCP.
-    a = train(tmp_path / "a", *SAVE, "--checkpoint.last_save_in_hf", "true",
-              *FSDP, nproc=2, steps=2)  # fmt: skip
-    b = train(tmp_path / "b", *SAVE, *FSDP, nproc=2, steps=2)
+    a = warm_train(launcher, tmp_path / "a", *SAVE, "--checkpoint.last_save_in_hf",
+                   "true", *FSDP, nproc=2, steps=2)  # fmt: skip
+    b = warm_train(launcher, tmp_path / "b", *SAVE, *FSDP, nproc=2, steps=2)
     assert_bit_identical(a, b)
     saved_hf = tmp_path / "a" / "checkpoint" / "step-2"
     saved_dcp = tmp_path / "b" / "checkpoint" / "step-2"
@@ -66,13 +66,13 @@ def test_hf_save_and_load_in_training(tmp_path):
     (saved_hf / "config.json").write_text(json.dumps(config))
     convert.from_hf(saved_hf, tmp_path / "imported", "llama3", progress=False)
     load = ["--checkpoint.enable", "true", "--checkpoint.interval", "100"]
-    from_hf = train(
-        tmp_path / "c", *load, *TP,
+    from_hf = warm_train(
+        launcher, tmp_path / "c", *load, *TP,
         "--checkpoint.initial_load_path", str(saved_hf),
         "--checkpoint.initial_load_in_hf", "true", nproc=2, steps=2,
     )  # fmt: skip
-    from_dcp = train(
-        tmp_path / "d", *load, *TP,
+    from_dcp = warm_train(
+        launcher, tmp_path / "d", *load, *TP,
         "--checkpoint.initial_load_path", str(tmp_path / "imported"), nproc=2, steps=2,
     )  # fmt: skip
     assert_bit_identical(from_hf, from_dcp)
@@ -102,7 +102,7 @@ def _tokenizer_into(directory):
 @pytest.mark.parametrize(
     "family", sorted({f for v in TRAIN_FROM_HF.values() for f in v})
 )
-def test_train_from_hf_directory(family, tmp_path):
+def test_train_from_hf_directory(family, launcher, tmp_path):
     """`--model.flavor hf --model.hf_assets_path DIR`: the architecture from
     DIR/config.json, the weights from DIR (FP8: converted first), the tokenizer
     from DIR; the loss falls."""
@@ -121,11 +121,10 @@ def test_train_from_hf_directory(family, tmp_path):
     else:
         write_hf(hf_dir, family)
     _tokenizer_into(hf_dir)
-    scalars = train(
-        tmp_path / "run", "--model.flavor", "hf", "--model.hf_assets_path",
+    scalars = warm_train(
+        launcher, tmp_path / "run", "--model.flavor", "hf", "--model.hf_assets_path",
         str(hf_dir), *load, "--optimizer.lr", "3e-3", steps=4,
     )  # fmt: skip
     assert_loss_falls(scalars)
-    (log,) = (tmp_path / "run" / "logs").glob("*/launcher.log")
     loaded = load[-1] if load else hf_dir
-    assert f"Loading the checkpoint from {loaded}" in log.read_text()
+    assert f"Loading the checkpoint from {loaded}" in (tmp_path / "run.log").read_text()

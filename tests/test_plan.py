@@ -13,7 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import requires_default_upstream, requires_newest_of_era
+from support import (
+    full_suite_only,
+    requires_default_upstream,
+    requires_newest_of_era,
+)
 
 from torchtitan_npu.cli import main
 from torchtitan_npu.config import resolve
@@ -32,8 +36,9 @@ def overlay_off_after():
     deactivate()
 
 
-# name -> (processes, overrides): two of the matrix's layouts (CI time; every
-# layout on both eras: benchmarks/plan.py accuracy, the table in docs/plan.md).
+# name -> (processes, overrides): two of the matrix's layouts, the second in
+# the full suite only (CI time; every layout on both eras: benchmarks/plan.py
+# accuracy, the table in docs/plan.md).
 LAYOUTS = {
     "fsdp_ac_full": (2, ["--activation_checkpoint.mode", "full"]),
     "tp": (
@@ -65,7 +70,10 @@ def measured(overrides: list[str], nproc: int, tmp_path: Path) -> list[dict]:
 
 @pytest.mark.e2e
 @requires_newest_of_era("one validation per era (CI time)")
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout",
+    ["fsdp_ac_full", pytest.param("tp", marks=full_suite_only("fsdp_ac_full: CI's"))],
+)
 def test_estimate_matches_the_real_steps(layout, tmp_path):
     from torchtitan_npu.plan.estimate import estimate
 

@@ -38,13 +38,6 @@ def workdir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def launcher(workdir):
-    from launch import WarmLauncher
-
-    return WarmLauncher(workdir)
-
-
-@pytest.fixture(scope="session")
 def matrix_data(workdir) -> Path:
     source = ensure_default_assets().dataset_path / "data.jsonl"
     target = workdir / "data"

@@ -1,7 +1,7 @@
-"""Preloaded by the matrix's fork server: upstream, imported once, pre-fork.
+"""Preloaded by the fork server of tests/launch.py: upstream, imported once.
 
 The fork server is a fresh, single-threaded interpreter; every rank of every
-matrix run is forked from it, so ranks start with upstream imported. The job
+warm launch is forked from it, so ranks start with upstream imported. The job
 file path is fixed here, before torchtitan is imported (0.2.x binds its command
 line at import); the launcher rewrites that file before each run.
 """

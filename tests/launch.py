@@ -1,15 +1,18 @@
-"""Fast matrix launches: torchrun's elastic launcher with a warm fork server.
+"""Fast launches for tests: torchrun's elastic launcher with a warm fork server.
 
-A `titan-npu train` launch spends ~25 s importing torch and upstream in every
-rank before its first step; the matrix makes ~40 launches per upstream. This
-launcher starts every run with ``elastic_launch`` (the engine behind torchrun:
-c10d rendezvous, one process per rank, gloo) using the ``forkserver`` start
-method, the server having preloaded upstream (``warm_upstream``): each rank
-is a fresh process forked from a clean single-threaded interpreter that has
-already imported upstream. (Forking the ranks straight from pytest, whose
-launcher holds rendezvous threads, crashed ~1 launch in 70.) The same
-translation and overlay code as `titan-npu train` runs in the ranks; fresh
-`titan-npu train` launches are covered by tests/test_train_e2e.py.
+A `titan-npu train` launch spends ~30 s (2 CPU cores) importing torch and
+upstream, in the launcher's checks and again in every rank, before its first
+step. Tests of what a run does (the matrix, HF save/load, checkpoints) start
+their runs here instead: ``elastic_launch`` (the engine behind torchrun: c10d
+rendezvous, one process per rank, gloo) with the ``forkserver`` start method,
+the server having preloaded upstream (``warm_upstream``): each rank is a fresh
+process forked from a clean single-threaded interpreter that has already
+imported upstream. (Forking the ranks straight from pytest, whose launcher
+holds rendezvous threads, crashed ~1 launch in 70.) The ranks run the same
+translation and overlay code as `titan-npu train`, after the launcher's checks
+that need no upstream; fresh `titan-npu train` launches (the launcher itself,
+its checks and supervision) are tests/test_train_e2e.py and
+tests/test_launcher.py.
 """
 
 import json
@@ -25,12 +28,12 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from torchtitan_npu.config import resolve
+from torchtitan_npu.config import hf_model, preflight, resolve
 from torchtitan_npu.distributed import DEVICE_ENV
 from torchtitan_npu.entry import hand_over, run_upstream
 from torchtitan_npu.tools.scalars import read_scalars
 
-JOB_FILE_ENV = "TITAN_NPU_MATRIX_JOB_FILE"  # read by warm_upstream
+JOB_FILE_ENV = "TITAN_NPU_TEST_JOB_FILE"  # read by warm_upstream
 
 
 def _rank_main(config_file: str, num_threads: int | None) -> None:
@@ -57,7 +60,7 @@ class WarmLauncher:
         # The fork server is a new interpreter: it finds warm_upstream (and this
         # module) through PYTHONPATH, not through pytest's sys.path.
         here = Path(__file__).resolve().parent
-        paths = [str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]
+        paths = [str(here), os.environ.get("PYTHONPATH", "")]
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         multiprocessing.set_forkserver_preload(["warm_upstream"])
         self.crashes: list[str] = []  # launches retried after a rank crashed
@@ -73,6 +76,10 @@ class WarmLauncher:
     ) -> dict | None:
         """Train with `titan-npu train` overrides; return TensorBoard scalars."""
         config = resolve(None, [*args, "--job.dump_folder", str(dump_folder)])
+        # The launcher's checks that need no upstream (paths made absolute,
+        # the HF directory of `--model.flavor hf`), as `titan-npu train` runs them.
+        preflight.absolute_paths(config)
+        hf_model.prepare(config)
         dump_folder.mkdir(parents=True, exist_ok=True)
         given = set(dump_folder.rglob("*"))  # e.g. a checkpoint to resume from
         config_file = dump_folder / "titan_npu_config.json"
@@ -106,6 +113,12 @@ class WarmLauncher:
                 )
             raise LaunchFailed(_first_error(e), logs) from e
         return read_scalars(dump_folder) if scalars else None
+
+
+def rank_log(dump_folder: Path, rank: int = 0) -> str:
+    """A rank's output (stdout, then stderr) over the launches into a folder."""
+    files = sorted((dump_folder / "rank-logs").glob(f"*/attempt_*/{rank}/std*.log"))
+    return "".join(path.read_text() for path in files)
 
 
 class LaunchFailed(AssertionError):
