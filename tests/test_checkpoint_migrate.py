@@ -10,7 +10,7 @@ import pickle
 
 import pytest
 import torch
-from support import requires_newest_of_era, train
+from support import requires_newest_of_era, warm_train
 
 from torchtitan_npu.cli import main
 from torchtitan_npu.compat.era import Era
@@ -147,7 +147,7 @@ def test_fused_qkv_is_upstreams_layout():
 @pytest.mark.e2e
 @requires_newest_of_era("one migration per era")
 def test_a_migrated_checkpoint_has_the_same_state_and_resumes(
-    other_era_run, tmp_path, capsys
+    other_era_run, launcher, tmp_path, capsys
 ):
     dump, values = other_era_run
     out = tmp_path / "migrated"
@@ -177,8 +177,8 @@ def test_a_migrated_checkpoint_has_the_same_state_and_resumes(
         v for k, v in dataset.items() if k.endswith("buffer")
     )
 
-    resumed = train(
-        tmp_path / "resumed",
+    resumed = warm_train(
+        launcher, tmp_path / "resumed",
         "--checkpoint.enable", "true",
         "--checkpoint.initial_load_path", str(out),
         "--checkpoint.initial_load_model_only", "false",

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 import transformers
-from support import requires_default_upstream
+from support import full_suite_only, requires_default_upstream
 
 pytestmark = [
     pytest.mark.e2e,
@@ -70,7 +70,13 @@ def stopped_halfway(source, out, signum) -> tuple[subprocess.Popen, str]:
     pytest.fail("every conversion finished before its signal arrived")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    "signum",
+    [
+        signal.SIGINT,
+        pytest.param(signal.SIGTERM, marks=full_suite_only("the handler SIGINT shows")),
+    ],
+)
 def test_signal_is_one_line_and_leaves_nothing(big_hf, signum, tmp_path):
     out = tmp_path / "out"
     process, stderr = stopped_halfway(big_hf, out, signum)
