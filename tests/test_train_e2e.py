@@ -13,23 +13,14 @@ from support import (
 
 pytestmark = pytest.mark.e2e
 
-SINGLE = full_suite_only("one device: the matrix's single cell (warm launches)")
 
-
-@pytest.mark.parametrize(
-    "nproc", [pytest.param(1, marks=SINGLE), 2], ids=["single", "fsdp2"]
-)
-def test_training_falls_and_is_deterministic(tmp_path, nproc):
-    first = train(tmp_path / "first", nproc=nproc)
-    # --plan estimates memory in a child of the launcher: nothing changes
-    second = train(tmp_path / "second", "--plan", nproc=nproc)
-    assert sorted(first["loss_metrics/global_avg_loss"]) == [1, 2, 3, 4]
-    assert_loss_falls(first)
-    assert_bit_identical(first, second)
-    log = (tmp_path / "second.log").read_text()
-    assert "titan-npu: plan: peak " in log and "per rank; cpu: no limit" in log
-
-    out = (tmp_path / "first.log").read_text()
+def test_training_falls_with_its_plan_and_summary(tmp_path):
+    """A fresh launch on two processes (FSDP), `--plan` first."""
+    scalars = train(tmp_path / "run", "--plan", nproc=2)
+    assert sorted(scalars["loss_metrics/global_avg_loss"]) == [1, 2, 3, 4]
+    assert_loss_falls(scalars)
+    out = (tmp_path / "run.log").read_text()
+    assert "titan-npu: plan: peak " in out and "per rank; cpu: no limit" in out
     summary = out[out.index("titan-npu: trained") :]
     assert summary.startswith("titan-npu: trained steps 1-4 in ")
     assert "loss 8." in summary and "log:" in summary and "tensorboard:" in summary
@@ -37,6 +28,16 @@ def test_training_falls_and_is_deterministic(tmp_path, nproc):
         for noise in ("Traceback", "Peak flops undefined", "lspci", "torch.compile()"):
             assert noise not in out, noise
         assert "has no effect without an initial_load_path" not in out
+
+
+@full_suite_only("CI's determinism checks: the matrix cells (warm launches)")
+@pytest.mark.parametrize("nproc", [1, 2], ids=["single", "fsdp2"])
+def test_fresh_launches_are_bit_identical(tmp_path, nproc):
+    """Two fresh launches, the second with `--plan` (a child of the launcher
+    estimates memory: nothing of the run changes)."""
+    first = train(tmp_path / "first", nproc=nproc)
+    second = train(tmp_path / "second", "--plan", nproc=nproc)
+    assert_bit_identical(first, second)
 
 
 def test_untranslatable_key_stops_before_training(tmp_path):

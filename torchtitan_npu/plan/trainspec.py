@@ -113,7 +113,11 @@ def build(
         )
     loss_parallel = dims.tp_enabled and not job.parallelism.disable_loss_parallel
     # pyrefly: ignore[missing-attribute]  # 0.2.x only
-    trainer.train_context = dist_utils.get_train_context(loss_parallel)
+    train_context = dist_utils.get_train_context
+    context_args = [loss_parallel]
+    if "enable_compiled_autograd" in inspect.signature(train_context).parameters:
+        context_args.append(job.parallelism.enable_compiled_autograd)  # 0.2.0
+    trainer.train_context = train_context(*context_args)
     # pyrefly: ignore[missing-attribute]  # 0.2.x only
     trainer.maybe_enable_amp = dist_utils.maybe_enable_amp(
         dims, job.training.mixed_precision_param, device.type
