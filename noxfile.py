@@ -199,12 +199,14 @@ def matrix(session):
 # default upstream one cell per mechanism -- the single-device reference,
 # FSDP, TP, PP, CP, selective AC, the injected qwen2, the kernel converters on
 # the 2-D (FSDP x TP) mesh, fine-tuning a user's own HF llama, a resume under
-# another layout, the checkpoint upgrade from the other era -- and the core
-# layouts on the newest of the other era. The rest (ddp, hsdp, fsdp_tp, the
-# other PP schedules and PP x FSDP, every qwen2 layout, ...) is `nox -s matrix`.
+# another layout -- and the core layouts on the newest of the other era. The
+# rest (ddp, hsdp, fsdp_tp, the other PP schedules and PP x FSDP, every qwen2
+# layout, the other resume pairs, the 0.2.2 -> 0.3.0 `upgrade` cell: 4 min;
+# CI migrates a checkpoint of the other era in tests/test_checkpoint_migrate)
+# is `nox -s matrix`.
 CI_MATRIX = {
     DEFAULT: "single,fsdp,tp,pp_1f1b,cp,fsdp_ac_selective,qwen2_fsdp,"
-    "converters_fsdp_tp,hf_finetune,resume_fsdp_to_single,upgrade",
+    "converters_fsdp_tp,hf_finetune,resume_fsdp_to_single",
     "0.2.2": "single,fsdp,pp_1f1b",
 }
 
