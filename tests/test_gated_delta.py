@@ -74,3 +74,66 @@ def test_outputs_take_the_values_dtype():
     xs = [x.detach().to(torch.bfloat16) for x in inputs()]
     out, state = gated_delta.chunked(*xs, **NORM)
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+
+
+# The fla stand-in (overlay/fla_standin.py): what upstream's Qwen3.5 imports
+# when flash-linear-attention is not installed.
+
+
+def test_standin_kernels_recompute_what_autograd_would_keep():
+    """The stand-in's autograd Functions keep only their inputs and recompute
+    in backward: same outputs and gradients as autograd through the rule."""
+    from torchtitan_npu.overlay import fla_standin
+
+    xs = inputs()
+    want, _ = gated_delta.chunked(*xs, **NORM)
+    got, state = fla_standin.chunk_gated_delta_rule(*xs, use_qk_l2norm_in_kernel=True)
+    assert state is None and torch.equal(got, want)
+    grads = torch.autograd.grad(want.square().sum(), xs)
+    standin_grads = torch.autograd.grad(got.square().sum(), xs)
+    for name, a, b in zip("q k v g beta".split(), grads, standin_grads):
+        assert torch.equal(a, b), name
+
+
+def test_standin_causal_conv_restarts_at_each_document():
+    """fla's varlen causal conv: upstream's own fixed-length depthwise conv
+    (pad left, conv1d, silu) run on each packed document alone."""
+    from torchtitan_npu.overlay import fla_standin
+
+    torch.manual_seed(0)
+    x, weight = torch.randn(1, 30, 6), torch.randn(6, 4)
+    bounds = [0, 11, 12, 30]
+    out, _ = fla_standin.causal_conv1d(
+        x, weight, activation="silu", backend="triton", cu_seqlens=torch.tensor(bounds)
+    )
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        piece = F.pad(x[:, start:end].transpose(1, 2), [3, 0])
+        want = F.silu(F.conv1d(piece, weight[:, None], groups=6)).transpose(1, 2)
+        torch.testing.assert_close(out[:, start:end], want, rtol=0, atol=1e-6)
+
+
+def test_standin_answers_only_while_no_real_fla_is_installed(tmp_path, monkeypatch):
+    import importlib
+    import sys
+
+    from torchtitan_npu.overlay import fla_standin
+
+    if importlib.machinery.PathFinder.find_spec("fla") is not None:
+        pytest.skip("a real fla is installed here")
+    active = fla_standin._FINDER in sys.meta_path  # an earlier test's overlay
+    assert fla_standin.install()
+    try:
+        module = importlib.import_module("fla.ops.gated_delta_rule")
+        assert module.chunk_gated_delta_rule is fla_standin.chunk_gated_delta_rule
+        fla_standin.uninstall()
+        assert "fla.ops.gated_delta_rule" not in sys.modules
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module("fla")
+        (tmp_path / "fla").mkdir()
+        (tmp_path / "fla" / "__init__.py").write_text("")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        assert not fla_standin.install()  # a real fla: upstream gets its kernels
+    finally:
+        monkeypatch.undo()
+        sys.modules.pop("fla", None)
+        fla_standin.install() if active else fla_standin.uninstall()

@@ -28,7 +28,7 @@ from torchtitan_npu.config.schema import (
     flatten,
     wrong_type,
 )
-from torchtitan_npu.models import MODEL_PACKAGES, find_model_module
+from torchtitan_npu.models import MODEL_PACKAGES, find_model_module, needs
 
 ERA = Era.CONFIG_REGISTRY
 
@@ -58,7 +58,10 @@ def base_config(name: str, flavor: str) -> Any:
         mtp = bool(getattr(derived, "mtp_layers", None))
         base = base_config(name, "debugmodel_mtp" if mtp else "debugmodel")
         return _with_model(base, derived, flavor)
-    registry = find_model_module(name, ERA.value)  # the era is named after it
+    try:
+        registry = find_model_module(name, ERA.value)  # the era is named after it
+    except ModuleNotFoundError as e:  # an optional package the recipes import
+        raise ConfigError(f"model {name!r} {needs(e)}") from e
     if registry is None:
         known = known_models()
         raise ConfigError(
@@ -76,16 +79,32 @@ def base_config(name: str, flavor: str) -> Any:
 
 
 def flavors(name: str) -> list[str]:
-    """The flavors of a model: its config functions' names (``qwen3_0_6b``
-    -> ``0_6b``), as ``--model.flavor`` takes them."""
+    """The flavors of a model: its config functions' names without the
+    model's prefix (``qwen3_0_6b`` -> ``0_6b``, ``qwen35_debugmodel`` ->
+    ``debugmodel``; ``kimi_k2_5`` stays whole), as ``--model.flavor`` takes
+    them."""
     registry = find_model_module(name, ERA.value)
-    if registry is None:
-        return []
-    return sorted(
-        n.removeprefix(f"{name}_")
-        for n in dir(registry)
-        if n.startswith(f"{name}_") and callable(getattr(registry, n))
-    )
+    return sorted(_config_functions(registry, name)) if registry else []
+
+
+def _config_functions(registry, name: str) -> dict[str, Any]:
+    """flavor -> config function: the registry's own public functions that
+    take no argument (helpers such as ``enable_fused_swiglu`` take some)."""
+    import inspect
+
+    prefixes = (f"{name}_", f"{name.replace('_', '')}_")
+    functions = {}
+    for attr, value in vars(registry).items():
+        if (
+            attr.startswith("_")
+            or not inspect.isfunction(value)
+            or value.__module__ != registry.__name__
+            or inspect.signature(value).parameters
+        ):
+            continue
+        prefix = next((p for p in prefixes if attr.startswith(p)), "")
+        functions[attr.removeprefix(prefix)] = value
+    return functions
 
 
 def _config_function(registry, name: str, flavor: str):
@@ -93,22 +112,23 @@ def _config_function(registry, name: str, flavor: str):
     "0.6B" as function qwen3_0_6b), else the shortest-named one whose model
     is the model registry's flavor of that name (``debugmodel_moe`` ->
     ``qwen3_moe_debug``)."""
-    function = getattr(registry, f"{name}_{flavor}", None) or getattr(
-        registry, f"{name}_{flavor}".replace(".", "_").lower(), None
+    functions = _config_functions(registry, name)
+    function = functions.get(flavor) or functions.get(
+        flavor.replace(".", "_").replace("-", "_").lower()
     )
     if function is not None:
         return function
     matches = []
-    for candidate in flavors(name):
+    for candidate, function in functions.items():
         try:
-            config = getattr(registry, f"{name}_{candidate}")()
+            config = function()
         except Exception:  # a recipe needing what this machine lacks
             continue
         if getattr(getattr(config, "model_spec", None), "flavor", None) == flavor:
             matches.append(candidate)
     if not matches:
         return None
-    return getattr(registry, f"{name}_{min(matches, key=len)}")
+    return functions[min(matches, key=len)]
 
 
 def parameter_count(name: str, flavor: str) -> int:
@@ -168,6 +188,26 @@ def _activation_checkpoint(mode: str):
     return factory() if factory is not None else None
 
 
+def _text_pipeline(trainer_config: Any, dataset: str | None) -> None:
+    """A multimodal recipe (qwen3_5, kimi_k2_7) on a text dataset trains its
+    language model: upstream's text dataloader and tokenizer replace the
+    multimodal ones (the project's train-config format describes text)."""
+    from torchtitan.components.tokenizer import (
+        HuggingFaceTokenizer,
+        MultiModalTokenizer,
+    )
+    from torchtitan.hf_datasets.text_datasets import (
+        DATASETS,
+        HuggingFaceTextDataLoader,
+    )
+
+    if dataset in DATASETS and isinstance(
+        trainer_config.tokenizer, MultiModalTokenizer.Config
+    ):
+        trainer_config.tokenizer = HuggingFaceTokenizer.Config()
+        trainer_config.dataloader = HuggingFaceTextDataLoader.Config()
+
+
 def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
     """The ``Trainer.Config`` of a project config: upstream's config function
     for the model and flavor, every key set on it (renamed, type-checked),
@@ -181,6 +221,7 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
         # CUDA graphs exist only on CUDA; upstream validates them even elsewhere
         # (PP refuses to start while they are enabled). A config may still set it.
         trainer_config.training.disable_cuda_graphs = True
+    _text_pipeline(trainer_config, config.get("training", {}).get("dataset"))
     flat = flatten(config)
     ac_mode = flat.pop("activation_checkpoint.mode", None)
     if ac_mode is not None:

@@ -6,6 +6,26 @@ from types import ModuleType
 # Upstream's models first, then titan-npu's injected ones.
 MODEL_PACKAGES = ("torchtitan.models", "torchtitan_npu.models")
 
+# Optional packages some upstream models and recipes import (multimodal
+# encoders and datasets, low-precision training) -> what installs them.
+OPTIONAL_PACKAGES = {
+    "torchvision": "pip install 'titan-npu[multimodal]'",
+    "torchao": "pip install torchao",
+}
+
+
+def needs(error: Exception) -> str:
+    """What a model or flavor that failed to build needs, in a few words."""
+    if isinstance(error, ModuleNotFoundError) and error.name:
+        package = error.name.split(".")[0]
+    else:
+        text = str(error)
+        package = next((p for p in OPTIONAL_PACKAGES if p in text), "")
+    if package:
+        how = OPTIONAL_PACKAGES.get(package, f"pip install {package}")
+        return f"needs {package} ({how})"
+    return f"not on this machine: {str(error).splitlines()[0][:60]}"
+
 
 def find_model_module(name: str, submodule: str = "") -> ModuleType | None:
     """``<package>.<name>[.<submodule>]`` from upstream's models or titan-npu's;

@@ -179,10 +179,65 @@ VARLEN_ATTENTION_REFERENCE = Patch(
     skip=skip_unless_cpu,
 )
 
+
+def _apply_text_only_batches(target: Target, ctx: PatchContext) -> list[Change]:
+    original = target.obj
+
+    def prepare_multimodal_embeds(self, tokens, *, special_tokens=None, **vision):
+        if special_tokens is None and not any(v is not None for v in vision.values()):
+            # ids no token has: the text-only batch has no placeholders to fill
+            special_tokens = {"image_id": -1, "video_id": -1}
+        return original(self, tokens, special_tokens=special_tokens, **vision)
+
+    return [Change(target.owner, target.attr, prepare_multimodal_embeds)]
+
+
+QWEN3_5_TEXT_ONLY_BATCHES = Patch(
+    name="qwen3_5_text_only_batches",
+    target="torchtitan.models.qwen3_5.model:Qwen35Model._prepare_multimodal_embeds",
+    kind="wrap",
+    reason=(
+        "Qwen3.5 reads the image/video placeholder ids from every batch "
+        "(KeyError/TypeError on None), but a text dataloader's batches have "
+        "none: text-only batches get ids no token has, as kimi_k2_7 allows "
+        "(special_tokens None for text-only)."
+    ),
+    eras=(Era.CONFIG_REGISTRY,),
+    upstream_ref="none filed: upstream trains Qwen3.5 on multimodal batches only",
+    remove_when="Qwen35Model accepts special_tokens=None for text-only batches",
+    apply=_apply_text_only_batches,
+)
+
+
+def _fla_call_site(qualname: str) -> Patch:
+    return Patch(
+        name=f"qwen3_5_fla_{qualname.rsplit('.', 1)[-1].strip('_')}",
+        target=f"torchtitan.models.qwen3_5.model:{qualname}",
+        kind="depend",
+        reason=(
+            "without flash-linear-attention, overlay/fla_standin.py answers for "
+            "the fla functions this upstream code calls, with the arguments it "
+            "passes (the PyTorch gated delta rule, a reference causal conv)"
+        ),
+        eras=(Era.CONFIG_REGISTRY,),
+        upstream_ref="fla's kernels are Triton (CUDA); upstream has no other path",
+        remove_when="upstream's Qwen3.5 has a kernel path that runs on CPU and NPU",
+        apply=no_change,
+    )
+
+
+# Upstream's calls into fla, which the stand-in implements.
+FLA_CALL_SITES = [
+    _fla_call_site("GatedDeltaKernel.forward"),
+    _fla_call_site("_causal_conv1d_varlen"),
+]
+
 PATCHES = [
     EAGER_FLEX_ATTENTION,
     VARLEN_ATTENTION_REFERENCE,
     GPT_OSS_EXPERTS_DTYPE,
+    QWEN3_5_TEXT_ONLY_BATCHES,
+    *FLA_CALL_SITES,
     *HF_ADAPTERS,
     *ARCHITECTURE_BUILDERS,
 ]

@@ -12,6 +12,7 @@ import sys
 
 from torchtitan_npu.compat import resolve_upstream
 from torchtitan_npu.config import era_config
+from torchtitan_npu.models import needs
 from torchtitan_npu.tools.table import format_table
 
 # (model, flavor) -> what checks it in this project, on every era it exists in.
@@ -22,26 +23,9 @@ TESTED = {
     ("qwen3", "moe_debug"): "HF",
     ("deepseek_v3", "debugmodel"): "converters, HF",
     ("gpt_oss", "debugmodel_flex"): "CPU train step",
+    ("qwen3_5", "debugmodel"): "CPU train step (no fla)",
+    ("kimi_k2_7", "kimi_k2_5_debugmodel"): "CPU train (text)",
 }
-# Optional packages some flavors import (low-precision training, multimodal
-# encoders, linear attention) -> the distribution that installs them.
-EXTRAS = {
-    "torchao": "torchao",
-    "torchvision": "torchvision",
-    "fla": "flash-linear-attention",
-}
-
-
-def needs(error: Exception) -> str:
-    """What a flavor that failed to build needs, in a few words."""
-    if isinstance(error, ModuleNotFoundError) and error.name:
-        package = error.name.split(".")[0]
-    else:
-        text = str(error)
-        package = next((p for p in EXTRAS if p in text), "")
-    if package:
-        return f"needs {package} (pip install {EXTRAS.get(package, package)})"
-    return f"not on this machine: {str(error).splitlines()[0][:60]}"
 
 
 def rows(progress: bool = True) -> list[list[str]]:
