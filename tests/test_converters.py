@@ -117,19 +117,20 @@ def reference(era):
     """Each model unconverted: state dict, logits, gradients."""
     cache = {}
 
-    def get(name):
-        if name not in cache:
+    def get(name, loop_experts=False):
+        """``loop_experts``: 0.2.x's per-expert loop (fp32) instead of its
+        grouped path, which casts to bf16 where the converter does not."""
+        if (name, loop_experts) not in cache:
             model, flavor = model_and_flavor(name)
-            module = native_model(model, um.model_args(model, flavor, era), era)
-            cache[name] = (module.state_dict(), *forward_backward(module, era))
-        return cache[name]
+            args = copy.deepcopy(um.model_args(model, flavor, era))
+            if loop_experts:
+                args.moe_args.use_grouped_mm = False
+            module = native_model(model, args, era)
+            state = module.state_dict()
+            cache[name, loop_experts] = (state, *forward_backward(module, era))
+        return cache[name, loop_experts]
 
     return get
-
-
-def runs_forward(model: str, era: str) -> bool:
-    # 0.2.x's MoE router calls torch.histc on int64, which has no CPU kernel.
-    return not (era == "trainspec" and model in ("deepseek_v3", "qwen3_moe"))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -140,8 +141,6 @@ def test_converted_model_matches_upstream(model, name, era, reference):
         pytest.skip(f"{name} is not available in this era")
     if model_and_flavor(model)[0] not in converter.models(era):
         pytest.skip(f"{name} does not apply to {model} (no such layers)")
-    if not runs_forward(model, era):
-        pytest.skip("0.2.x MoE cannot run forward on CPU (torch.histc int64)")
     if name in ("grouped_mm", "token_permute") and model == "qwen3":
         pytest.skip("qwen3 debugmodel is dense (qwen3_moe covers these)")
     if model == "qwen3_moe" and name not in ("grouped_mm", "token_permute"):
@@ -151,7 +150,8 @@ def test_converted_model_matches_upstream(model, name, era, reference):
     assert name in converter_names(module) or (
         name == "rope" and era == "trainspec"  # a function, not a module class
     )
-    state, logits, grads = reference(model)
+    in_param_dtype = era == "trainspec" and name == "grouped_mm"
+    state, logits, grads = reference(model, loop_experts=in_param_dtype)
     module.load_state_dict(state)
     conv_logits, conv_grads = forward_backward(module, era)
     forward = (conv_logits - logits).abs().max().item()
@@ -164,12 +164,11 @@ def test_converted_model_matches_upstream(model, name, era, reference):
 
 @pytest.mark.parametrize("model", heavy_except(["llama3", "deepseek_v3"], "llama3"))
 def test_all_converters_together(model, era, reference):
-    if not runs_forward(model, era):
-        pytest.skip("0.2.x deepseek_v3 cannot run forward on CPU (torch.histc int64)")
     names = [n for n in NAMES if model in converters.get(n).models(era)]
     module, counts = converted_model(model, names, era)
     assert all(counts) and converter_names(module) >= set(names) - {"rope"}
-    state, logits, grads = reference(model)
+    # 0.2.x: the converted experts compute in fp32 (see the grouped_mm test)
+    state, logits, grads = reference(model, loop_experts=era == "trainspec")
     module.load_state_dict(state)
     conv_logits, conv_grads = forward_backward(module, era)
     assert (conv_logits - logits).abs().max().item() <= TOLERANCE
@@ -402,13 +401,12 @@ def test_converted_model_on_npu_calls_each_kernel(model, era, torch_npu):
 
 @pytest.mark.heavy
 def test_converted_moe_model_on_npu_calls_each_kernel(era, torch_npu):
-    if era == "trainspec":
-        pytest.skip("0.2.x deepseek_v3 cannot run forward on CPU (torch.histc int64)")
-    module, counts = converted_model("deepseek_v3", NAMES, era, device_type="npu")
+    names = [n for n in NAMES if "deepseek_v3" in converters.get(n).models(era)]
+    module, counts = converted_model("deepseek_v3", names, era, device_type="npu")
     assert all(counts)
     forward_backward(module, era)
     assert {name for name, _, _ in torch_npu.calls} == {
-        *(op for name in NAMES for op in converters.get(name).npu_ops)
+        *(op for name in names for op in converters.get(name).npu_ops)
     }
 
 

@@ -204,6 +204,32 @@ LAYOUTS += [
 HF_FLAVOR = {"model.name": "llama3", "model.flavor": "hf"}
 LAYOUTS += [Layout("hf_finetune", 2, {**_degrees(dp_shard=2), **HF_FLAVOR})]
 
+# Upstream's other models through the overlay: single, fsdp and the model's
+# own layout (ep for MoE, tp otherwise), each from its own seed checkpoint.
+_NEW_IN_030 = "the model is new in upstream 0.3.0"
+_MOE_ON_022 = (
+    "0.2.x MoE routing on CPU: torch.histc has no int64 CPU kernel (not yet "
+    "filled by the overlay)"
+)
+OTHER_MODELS = {
+    # row prefix: (model, flavor, own layout, unsupported)
+    "gpt_oss": ("gpt_oss", "debugmodel", "ep", {"trainspec": _MOE_ON_022}),
+    "qwen3_moe": ("qwen3", "moe_debug", "ep", {"trainspec": _MOE_ON_022}),
+    "qwen3_5": ("qwen3_5", "debugmodel", "tp", {"trainspec": _NEW_IN_030}),
+    "kimi": ("kimi_k2_7", "kimi_k2_5_debugmodel", "ep", {"trainspec": _NEW_IN_030}),
+}
+_OWN_LAYOUT = {"ep": _degrees(dp_shard=2), "tp": _degrees(tp=2)}
+for prefix, (model, flavor, own, unsupported) in OTHER_MODELS.items():
+    chosen = {"model.name": model, "model.flavor": flavor}
+    own_degrees = dict(_OWN_LAYOUT[own])
+    if own == "ep":
+        own_degrees["parallelism.expert_parallel_degree"] = 2
+    LAYOUTS += [
+        Layout(f"{prefix}_single", 1, {**_degrees(), **chosen}, unsupported),
+        Layout(f"{prefix}_fsdp", 2, {**_degrees(dp_shard=2), **chosen}, unsupported),
+        Layout(f"{prefix}_{own}", 2, {**own_degrees, **chosen}, unsupported),
+    ]
+
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
 

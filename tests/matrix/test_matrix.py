@@ -68,22 +68,24 @@ def seeds(workdir, matrix_data, launcher, request):
 
     def seed_for(layout) -> tuple[Path, list[str]]:
         model = layout.model
-        if layout.overrides.get("model.flavor") == "hf":
+        flavor = str(layout.overrides.get("model.flavor", "debugmodel"))
+        if flavor == "hf":
             hf_dir, converted = request.getfixturevalue("hf_checkpoint")
             return converted, ["--model.hf_assets_path", str(hf_dir)]
-        if model not in cache:
-            dump = workdir / ("seed" if model == "llama3" else f"seed-{model}")
+        if (model, flavor) not in cache:
+            name = model if flavor == "debugmodel" else f"{model}-{flavor}"
+            dump = workdir / ("seed" if model == "llama3" else f"seed-{name}")
             args = [
                 *SMALL_RUN,
-                "--model.name", model, "--model.flavor", "debugmodel",
+                "--model.name", model, "--model.flavor", flavor,
                 "--checkpoint.enable", "true",
                 "--checkpoint.create_seed_checkpoint", "true",
                 "--parallelism.data_parallel_shard_degree", "1",
                 "--training.steps", "1",
             ]  # fmt: skip
             launcher.train(dump, args, nproc=1, scalars=False)
-            cache[model] = dump / "checkpoint" / "step-0"
-        return cache[model], []
+            cache[model, flavor] = dump / "checkpoint" / "step-0"
+        return cache[model, flavor], []
 
     return seed_for
 

@@ -8,6 +8,8 @@ TOML on it, renamed where 0.3.x moved it. A key with no 0.3.x counterpart is a
 ``ConfigError`` naming the key and the era.
 """
 
+import dataclasses
+import functools
 import importlib
 from pathlib import Path
 from typing import Any
@@ -144,8 +146,6 @@ def parameter_count(name: str, flavor: str) -> int:
 def _with_model(trainer_config: Any, model: Any, flavor: str) -> Any:
     """A Trainer.Config whose model spec builds `model` (and whose loss knows
     its vocabulary)."""
-    import dataclasses
-
     from torchtitan.models.common.config_utils import decoder_vocab_size
 
     spec = dataclasses.replace(trainer_config.model_spec, flavor=flavor, model=model)
@@ -206,6 +206,23 @@ def _text_pipeline(trainer_config: Any, dataset: str | None) -> None:
     ):
         trainer_config.tokenizer = HuggingFaceTokenizer.Config()
         trainer_config.dataloader = HuggingFaceTextDataLoader.Config()
+        spec = trainer_config.model_spec
+        trainer_config.model_spec = dataclasses.replace(
+            spec, parallelize_fn=functools.partial(_vision_frozen, spec.parallelize_fn)
+        )
+
+
+def _vision_frozen(parallelize_fn: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+    """Text batches never reach the vision encoder: it is frozen (no gradients,
+    no optimizer state, kept in checkpoints as loaded), so a text run's
+    checkpoint resumes — an encoder that never stepped has no optimizer state
+    to save, which the optimizer's loader would then miss. Frozen after
+    parallelizing: FSDP re-creates parameters trainable."""
+    model = parallelize_fn(model, *args, **kwargs)
+    encoder = getattr(model, "vision_encoder", None)
+    if encoder is not None:
+        encoder.requires_grad_(False)
+    return model
 
 
 def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:

@@ -197,9 +197,83 @@ CONVERTER_LOOKUP = Patch(
     apply=no_change,
 )
 
+
+def _apply_integer_histc(target: Target, ctx: PatchContext) -> list[Change]:
+    import torch
+
+    original = torch.histc
+
+    def histc(input, bins=100, min=0, max=0, *, out=None):
+        if out is None and input.device.type == "cpu" and not input.is_floating_point():
+            # exact: float64 holds every count and index below 2**53
+            return original(input.double(), bins, min, max).to(input.dtype)
+        return original(input, bins, min, max, out=out)
+
+    return [Change(torch, "histc", histc)]
+
+
+_HISTC_REASON = (
+    "0.2.x MoE counts tokens per expert with torch.histc on the int64 expert "
+    "indices; CPU histc has no integer kernel ('histc_cpu' not implemented for "
+    "'Long'), so no MoE model ran forward on CPU: integer inputs on CPU are "
+    "counted in float64 (exact) and returned in their dtype, as CUDA's are."
+)
+MOE_INTEGER_HISTC = Patch(
+    name="moe_integer_histc",
+    target="torchtitan.models.moe.moe:TokenReorderer.forward",
+    kind="polyfill",
+    reason=_HISTC_REASON,
+    eras=(Era.TRAINSPEC,),
+    upstream_ref="torch.histc: integer inputs are CUDA-only",
+    remove_when="0.2.x era dropped (0.3.x counts experts without histc)",
+    apply=_apply_integer_histc,
+    skip=skip_unless_cpu,
+)
+
+
+def _apply_permute_on_cpu(target: Target, ctx: PatchContext) -> list[Change]:
+    original = target.obj
+
+    def generate_permute_indices(tokens_per_expert_group, *args, use_cpu=False):
+        use_cpu = use_cpu or tokens_per_expert_group.device.type == "cpu"
+        return original(tokens_per_expert_group, *args, use_cpu=use_cpu)
+
+    return [Change(target.owner, target.attr, generate_permute_indices, rebind=True)]
+
+
+MOE_PERMUTE_ON_CPU = Patch(
+    name="moe_permute_on_cpu",
+    target="torchtitan.models.moe.kernels:generate_permute_indices",
+    kind="wrap",
+    reason=(
+        "0.2.x's grouped-mm experts pad and permute tokens with a Triton kernel "
+        "('0 active drivers' without a GPU) although the function has a CPU "
+        "path: tokens on CPU take upstream's own CPU path."
+    ),
+    eras=(Era.TRAINSPEC,),
+    upstream_ref="generate_permute_indices(use_cpu=...): _permute never passes it",
+    remove_when="0.2.x era dropped (0.3.x permutes without Triton)",
+    apply=_apply_permute_on_cpu,
+    skip=skip_unless_cpu,
+)
+# The other 0.2.x call of torch.histc on expert indices.
+MOE_ROUTER_HISTC = Patch(
+    name="moe_router_histc",
+    target="torchtitan.models.moe.moe:TokenChoiceTopKRouter.forward",
+    kind="depend",
+    reason="calls torch.histc on int64 expert indices: see moe_integer_histc",
+    eras=(Era.TRAINSPEC,),
+    upstream_ref="torch.histc: integer inputs are CUDA-only",
+    remove_when="0.2.x era dropped",
+    apply=no_change,
+)
+
 PATCHES = [
     EAGER_FLEX_ATTENTION,
     FLEX_MASK_DEVICE,
+    MOE_INTEGER_HISTC,
+    MOE_ROUTER_HISTC,
+    MOE_PERMUTE_ON_CPU,
     HF_ADAPTERS,
     QWEN2_MODEL,
     CONVERTERS,
