@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 from hf_support import native_model
-from support import LOSS, heavy_except, requires_newest_of_era, warm_train
+from support import FULL_SUITE, LOSS, heavy_except, requires_newest_of_era, warm_train
 
 from torchtitan_npu import converters
 from torchtitan_npu.bootstrap import activate, deactivate
@@ -136,6 +136,8 @@ def reference(era):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("model", heavy_except(MODELS, "llama3"))
 def test_converted_model_matches_upstream(model, name, era, reference):
+    if era == "trainspec" and model == "deepseek_v3" and not FULL_SUITE:
+        pytest.skip("0.2.x deepseek_v3: nox -s full (CI: qwen3_moe shows 0.2.x MoE)")
     converter = converters.get(name)
     if not converter.models(era):
         pytest.skip(f"{name} is not available in this era")

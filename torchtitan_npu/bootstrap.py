@@ -50,7 +50,7 @@ def activate(device_type: str | None = None) -> Activation:
         load_torch_npu,
         select_device_type,
     )
-    from torchtitan_npu.overlay import PatchTargetError, fla_standin, patches_for
+    from torchtitan_npu.overlay import PatchTargetError, patches_for
 
     remove_hook()
     load_torch_npu()
@@ -72,12 +72,7 @@ def activate(device_type: str | None = None) -> Activation:
         tested=upstream.tested,
         disabled=disabled,
     )
-    fla_standin.install()  # before the records: they import upstream's Qwen3.5
-    try:
-        status = OVERLAY.apply(patches, ctx, upstream.fingerprints)
-    except BaseException:
-        fla_standin.uninstall()
-        raise
+    status = OVERLAY.apply(patches, ctx, upstream.fingerprints)
     _activation = Activation(upstream, ctx, status)
     return _activation
 
@@ -86,8 +81,6 @@ def deactivate() -> None:
     """Revert every patch (tests, A/B runs); ``activate`` may run again."""
     global _activation
     OVERLAY.revert()
-    if "torchtitan_npu.overlay.fla_standin" in sys.modules:
-        sys.modules["torchtitan_npu.overlay.fla_standin"].uninstall()
     _activation = None
 
 

@@ -208,8 +208,8 @@ LAYOUTS += [Layout("hf_finetune", 2, {**_degrees(dp_shard=2), **HF_FLAVOR})]
 # own layout (ep for MoE, tp otherwise), each from its own seed checkpoint.
 _NEW_IN_030 = "the model is new in upstream 0.3.0"
 _MOE_ON_022 = (
-    "0.2.x MoE routing on CPU: torch.histc has no int64 CPU kernel (not yet "
-    "filled by the overlay)"
+    "not yet measured on 0.2.x (its MoE runs on CPU since the overlay's "
+    "moe_integer_histc; the rows are 0.3.0's flavors)"
 )
 OTHER_MODELS = {
     # row prefix: (model, flavor, own layout, unsupported)

@@ -250,7 +250,11 @@ class PatchStatus:
 def check(
     patches: list[Patch], ctx: PatchContext, expected: dict[str, str]
 ) -> list[PatchStatus]:
-    """Resolve and fingerprint every target without changing anything."""
+    """Resolve and fingerprint every target without changing anything (but
+    the fla stand-in: upstream's Qwen3.5, a target, imports fla)."""
+    from torchtitan_npu.overlay import fla_standin
+
+    fla_standin.install()
     if not _FINGERPRINTS:
         _FINGERPRINTS.update(_load_fingerprints())
     rows = []
@@ -406,6 +410,8 @@ class Overlay:
         while self._applied:
             _undo(self._applied.pop().undo)
         self._ctx, self.status = None, []
+        if "torchtitan_npu.overlay.fla_standin" in sys.modules:
+            sys.modules["torchtitan_npu.overlay.fla_standin"].uninstall()
 
     @contextlib.contextmanager
     def applied(

@@ -13,7 +13,7 @@ from torchtitan_npu.compat import (
     read_lock,
     write_lock,
 )
-from torchtitan_npu.overlay import PatchContext, check, fla_standin, patches_for
+from torchtitan_npu.overlay import PatchContext, check, patches_for
 from torchtitan_npu.overlay.registry import PatchStatus
 from torchtitan_npu.tools.table import format_table
 
@@ -33,7 +33,6 @@ def _inspect_installed():
     era = parse_era(entry.era) if entry else detect_era()
     device = select_device_type()
     ctx = PatchContext(installed.version, era, device, backend_for(device), True)
-    fla_standin.install()  # as activation does: upstream's Qwen3.5 imports fla
     rows = check(patches_for(era), ctx, entry.fingerprints if entry else {})
     return installed, entry, era, rows
 
