@@ -217,7 +217,8 @@ def _vision_frozen(parallelize_fn: Any, model: Any, *args: Any, **kwargs: Any) -
     no optimizer state, kept in checkpoints as loaded), so a text run's
     checkpoint resumes — an encoder that never stepped has no optimizer state
     to save, which the optimizer's loader would then miss. Frozen after
-    parallelizing: FSDP re-creates parameters trainable."""
+    parallelizing: frozen before, kimi_k2_7's encoder came out of upstream's
+    parallelize trainable again (measured; the cause is not traced)."""
     model = parallelize_fn(model, *args, **kwargs)
     encoder = getattr(model, "vision_encoder", None)
     if encoder is not None:
