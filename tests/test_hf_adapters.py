@@ -24,7 +24,7 @@ from hf_support import (
 )
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from support import heavy_except, requires_newest_of_era
+from support import FULL_SUITE, heavy_except, requires_newest_of_era
 
 from torchtitan_npu.bootstrap import activate, deactivate
 from torchtitan_npu.state_dict_adapters import ConversionError, convert, get_adapter
@@ -39,6 +39,11 @@ def tolerance(model: str) -> float:
     # Upstream computes routed experts in bf16 (its grouped GEMM casts inputs
     # and weights), so its MoE cannot match fp32 HF to 1e-4.
     return 1e-3 if model == "deepseek_v3" else 1e-4
+
+
+def moe_forward_in_full_suite_on_trainspec(model: str) -> None:
+    if model == "deepseek_v3" and ERA == "trainspec" and not FULL_SUITE:
+        pytest.skip("0.2.x MoE forward: nox -s full (CI time; 0.3.x runs it)")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,6 +74,7 @@ def test_import_matches_transformers(hf_checkpoint, tmp_path):
     model, args, hf, path = hf_checkpoint
     assert len(list(path.glob("*.safetensors"))) > 1 and (path / INDEX).exists()
     convert.from_hf(path, tmp_path / "native", model, args=args, progress=False)
+    moe_forward_in_full_suite_on_trainspec(model)
     native = native_model(model, args, ERA, seed=123)
     load_native(native, tmp_path / "native")
     ours, theirs = native_logits(native, TOKENS, ERA), hf_logits(hf, TOKENS)
@@ -106,6 +112,7 @@ def test_native_hf_native_is_bit_exact(model, tmp_path):
         native.state_dict().items(), again.state_dict().items()
     ):
         assert torch.equal(a, b), key
+    moe_forward_in_full_suite_on_trainspec(model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tol = tolerance(model)
     torch.testing.assert_close(

@@ -20,7 +20,7 @@ from hf_families import (
 )
 from hf_support import hf_logits, load_native, native_logits, native_model
 from safetensors.torch import load_file
-from support import newest_of_its_era
+from support import FULL_SUITE, newest_of_its_era
 
 from torchtitan_npu.bootstrap import activate, deactivate
 from torchtitan_npu.state_dict_adapters import ConversionError, architecture, convert
@@ -67,6 +67,8 @@ def test_import_derives_the_flavor_and_matches_transformers(checkpoint, tmp_path
     assert len(list(path.glob("*.safetensors"))) > 1
     result = convert.from_hf(path, tmp_path / "dcp", model, progress=False)
     assert result.flavor == architecture.HF_FLAVOR
+    if family in MOE and ERA == "trainspec" and not FULL_SUITE:
+        pytest.skip("0.2.x MoE forward: nox -s full (CI time; 0.3.x runs it)")
     config = json.loads((path / "config.json").read_text())
     args = architecture.derive(model, config, ERA)
     native = native_model(model, args, ERA)
@@ -172,6 +174,8 @@ def test_deepseek_fp8_with_mtp_importsdequantized(deepseek_fp8, tmp_path):
     path, hf, stored = deepseek_fp8
     result = convert.from_hf(path, tmp_path / "dcp", "deepseek_v3", progress=False)
     assert result.flavor == architecture.HF_FLAVOR
+    if family in MOE and ERA == "trainspec" and not FULL_SUITE:
+        pytest.skip("0.2.x MoE forward: nox -s full (CI time; 0.3.x runs it)")
     config = json.loads((path / "config.json").read_text())
     args = architecture.derive("deepseek_v3", config, ERA)
     assert len(args.mtp_layers) == 1
