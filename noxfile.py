@@ -198,12 +198,12 @@ def matrix(session):
 # CI's share of the matrix (the whole one takes ~50 min on 2 cores): on the
 # default upstream one cell per mechanism -- the single-device reference,
 # FSDP, PP, CP, selective AC, the injected qwen2, the kernel converters on
-# the 2-D (FSDP x TP) mesh (TP's cell), fine-tuning a user's own HF llama, a resume under
-# another layout -- and the core layouts on the newest of the other era. The
-# rest (ddp, hsdp, tp alone, fsdp_tp, the other PP schedules and PP x FSDP, every qwen2
-# layout, the other resume pairs, upstream's other models (8-14 min a cell),
-# the 0.2.2 -> 0.3.0 `upgrade` cell: 4 min;
-# CI migrates a checkpoint of the other era in tests/test_checkpoint_migrate)
+# the 2-D (FSDP x TP) mesh (TP's cell), fine-tuning a user's own HF llama, a
+# resume under another layout -- and the core layouts on the newest of the
+# other era. The rest (ddp, hsdp, tp alone, fsdp_tp, the other PP schedules
+# and PP x FSDP, every qwen2 layout, the other resume pairs, upstream's other
+# models (8-14 min a cell), the 0.2.2 -> 0.3.0 `upgrade` cell: 4 min; CI
+# migrates a checkpoint of the other era in tests/test_checkpoint_migrate)
 # is `nox -s matrix`.
 CI_MATRIX = {
     DEFAULT: "single,fsdp,pp_1f1b,cp,fsdp_ac_selective,qwen2_fsdp,"

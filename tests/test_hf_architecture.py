@@ -174,8 +174,6 @@ def test_deepseek_fp8_with_mtp_importsdequantized(deepseek_fp8, tmp_path):
     path, hf, stored = deepseek_fp8
     result = convert.from_hf(path, tmp_path / "dcp", "deepseek_v3", progress=False)
     assert result.flavor == architecture.HF_FLAVOR
-    if family in MOE and ERA == "trainspec" and not FULL_SUITE:
-        pytest.skip("0.2.x MoE forward: nox -s full (CI time; 0.3.x runs it)")
     config = json.loads((path / "config.json").read_text())
     args = architecture.derive("deepseek_v3", config, ERA)
     assert len(args.mtp_layers) == 1
