@@ -117,10 +117,37 @@ FAMILIES = {
         tie_word_embeddings=False,
         max_position_embeddings=1024,
     ),
+    "gpt_oss": dict(
+        architecture="GptOssForCausalLM",
+        model_type="gpt_oss",
+        hidden_size=64,
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=8,  # shorter than the test tokens: the window counts
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=150000.0,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 512,
+        },
+        swiglu_limit=7.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=1024,
+    ),
 }
 # The titan-npu model of each family above.
 MODEL = {"qwen3_moe": "qwen3"}
-MOE = ("qwen3_moe", "deepseek_v3")
+MOE = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 
 
 def write_hf(
@@ -223,3 +250,54 @@ def dequantized(stored, key, block=(16, 32)):
     full = scale.repeat_interleave(block[0], 0)[: values.shape[0]]
     full = full.repeat_interleave(block[1], 1)[:, : values.shape[1]]
     return values.float() * full
+
+
+_FP4_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _mxfp4_quantize(weight: torch.Tensor):
+    """MXFP4 of an [experts, rows, cols] weight, groups of 32 along cols,
+    written independently of titan-npu's: (uint8 blocks, uint8 scales)."""
+    experts, rows, cols = weight.shape
+    groups = weight.float().reshape(experts, rows, cols // 32, 32)
+    amax = groups.abs().amax(-1).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).to(torch.int32)
+    scaled = groups / torch.exp2(exponent.float()).unsqueeze(-1)
+    magnitude = (scaled.abs().unsqueeze(-1) - _FP4_MAGNITUDES).abs().argmin(-1)
+    code = magnitude + 8 * (scaled < 0)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def write_gpt_oss_mxfp4(path):
+    """A tiny gpt-oss in OpenAI's release format: MXFP4 expert weights
+    (``*_blocks`` / ``*_scales``, stored output-dim first), the rest as is.
+    Returns the transformers model whose expert weights are what
+    transformers' own dequantizer makes of the blocks."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = write_hf(path / "staging", "gpt_oss", intermediate_size=64)
+    config = json.loads((path / "staging" / "config.json").read_text())
+    stored = {}
+    with torch.no_grad():
+        for key, tensor in hf.state_dict().items():
+            if not key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                stored[key] = tensor.contiguous()
+                continue
+            blocks, scales = _mxfp4_quantize(tensor.transpose(1, 2))
+            stored[key + "_blocks"], stored[key + "_scales"] = blocks, scales
+            tensor.copy_(
+                convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            )
+    save_file(stored, path / "model.safetensors", metadata={"format": "pt"})
+    config["quantization_config"] = {
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+        "quant_method": "mxfp4",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return hf, stored

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import inspect
 from pathlib import Path
 
 import torch
@@ -95,7 +96,10 @@ def save_native(module: torch.nn.Module, checkpoint: Path) -> None:
 def native_logits(module: torch.nn.Module, tokens: torch.Tensor, era: str):
     with torch.no_grad():
         if era == "trainspec":
-            return module(tokens)
+            if "attention_masks" not in inspect.signature(module.forward).parameters:
+                return module(tokens)
+            # 0.2.x flex models (gpt_oss): causal masks need no tokenizer
+            return module(tokens, module.get_attention_masks(tokens, None))
         if not hasattr(module, "get_attention_masks"):  # titan-npu's qwen2
             return module(tokens)
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)

@@ -23,7 +23,7 @@ ERA = convert.current_era()
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
 PUBLISHED = sorted(p.stem for p in CONFIGS.glob("*.json"))
 # Huge MoE models: seconds of meta-device module building each.
-HEAVY = {"DeepSeek-V3", "Qwen3-30B-A3B"}
+HEAVY = {"DeepSeek-V3", "Qwen3-30B-A3B", "gpt-oss-120b"}
 
 
 @pytest.fixture(scope="module", autouse=True)

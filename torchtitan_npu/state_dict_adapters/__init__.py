@@ -4,7 +4,13 @@ conversion (`titan-npu convert`) and upstream's in-training adapter hook."""
 from collections.abc import Iterable
 
 from torchtitan_npu.compat.era import Era
-from torchtitan_npu.state_dict_adapters import deepseek_v3, llama3, qwen2, qwen3
+from torchtitan_npu.state_dict_adapters import (
+    deepseek_v3,
+    gpt_oss,
+    llama3,
+    qwen2,
+    qwen3,
+)
 from torchtitan_npu.state_dict_adapters.mapping import (
     ConversionError,
     KeyMap,
@@ -15,7 +21,13 @@ from torchtitan_npu.state_dict_adapters.mapping import (
 
 ADAPTERS: dict[str, ModelAdapter] = {
     a.name: a
-    for a in (llama3.ADAPTER, qwen3.ADAPTER, deepseek_v3.ADAPTER, qwen2.ADAPTER)
+    for a in (
+        llama3.ADAPTER,
+        qwen3.ADAPTER,
+        deepseek_v3.ADAPTER,
+        qwen2.ADAPTER,
+        gpt_oss.ADAPTER,
+    )
 }
 
 

@@ -60,7 +60,10 @@ def with_defaults(model: str, hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json with the HF class defaults of the fields it omits (and
     ``rope_scaling`` of type "default", which scales nothing, as none)."""
     adapter = get_adapter(model)
-    filled = {**adapter.hf_defaults, **hf_config}
+    defaults = {
+        k: v(hf_config) if callable(v) else v for k, v in adapter.hf_defaults.items()
+    }
+    filled = {**defaults, **hf_config}
     scaling = filled.get("rope_scaling")
     if isinstance(scaling, Mapping) and _normalized(scaling).get("rope_type") in (
         "default",

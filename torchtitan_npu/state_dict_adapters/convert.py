@@ -93,11 +93,7 @@ def from_hf(
     if source.config is None:
         raise ConversionError(f"HF checkpoint {hf_dir}", ["config.json missing"])
     hf_config = dict(source.config)
-    fp8 = quantization.scheme(hf_config)
-    if fp8 is not None:
-        source = quantization.Dequantized(
-            source, fp8, dtype or _stored_dtype(hf_config)
-        )
+    source = quantization.dequantizing(source, dtype or _stored_dtype(hf_config))
     infos = source.infos
     if skip_mtp and hf_config.get("num_nextn_predict_layers"):
         infos = _without_mtp(infos, hf_config)
@@ -122,7 +118,7 @@ def from_hf(
         return tensor
 
     record: dict[str, Any] = {"hf_config": hf_config}  # as imported (--skip-mtp)
-    if fp8 is not None:
+    if isinstance(source, quantization.Dequantized):
         record["fp8_weights"] = quantization.key_patterns(source.quantized)
     start = time.perf_counter()
     with atomic_dir(out) as tmp, bar:
@@ -285,6 +281,11 @@ class _Origin:
 
     def fp8_export(self) -> _FP8Export:
         scheme = quantization.scheme(self.config)
+        if isinstance(scheme, quantization.MXFP4):
+            raise ConversionError(
+                "--dtype fp8-like-source",
+                ["the source is MXFP4, which export does not write; use --dtype bf16"],
+            )
         if scheme is None:
             raise ConversionError(
                 "--dtype fp8-like-source",

@@ -60,8 +60,10 @@ def dense_rules(
     qk_norm: bool = False,
     qkv_prefix: str | None = None,
     head: str | None = None,
+    mlp: bool = True,
 ) -> list[Rule]:
-    """Embedding, attention, SwiGLU MLP, norms and (tie-able) output head."""
+    """Embedding, attention, SwiGLU MLP (unless `mlp` is False), norms and
+    (tie-able) output head."""
     hf, native = "model.layers.{layer}.", "layers.{layer}."
     p = qkv_prefix if qkv_prefix is not None else QKV[era]
     rules = [Rule("model.embed_tokens.weight", "tok_embeddings.weight")]
@@ -89,6 +91,8 @@ def dense_rules(
             Rule(f"{hf}self_attn.q_norm.weight", f"{native}attention.q_norm.weight"),
             Rule(f"{hf}self_attn.k_norm.weight", f"{native}attention.k_norm.weight"),
         ]
+    if not mlp:
+        return rules
     return rules + mlp_rules(hf + "mlp.", native + "feed_forward.")
 
 

@@ -47,16 +47,38 @@ class TensorInfo:
         return n
 
 
+def _unchanged(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape
+
+
 @dataclass(frozen=True)
 class Transform:
-    """An invertible per-tensor transform (shape-preserving)."""
+    """An invertible per-tensor transform; `hf_shape` / `native_shape` map a
+    shape across it (the same shape unless the transform permutes dims)."""
 
     name: str
     to_hf: Callable[[torch.Tensor], torch.Tensor]
     from_hf: Callable[[torch.Tensor], torch.Tensor]
+    hf_shape: Callable[[tuple[int, ...]], tuple[int, ...]] = _unchanged
+    native_shape: Callable[[tuple[int, ...]], tuple[int, ...]] = _unchanged
 
 
 IDENTITY = Transform("identity", lambda t: t, lambda t: t)
+
+
+def swap_dims(a: int, b: int) -> Transform:
+    """Dims `a` and `b` exchanged (a self-inverse view: DTensors keep their
+    sharding of the other dims)."""
+
+    def swap(shape: tuple[int, ...]) -> tuple[int, ...]:
+        out = list(shape)
+        out[a], out[b] = out[b], out[a]
+        return tuple(out)
+
+    def transpose(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(a, b)
+
+    return Transform(f"swap_dims({a}, {b})", transpose, transpose, swap, swap)
 
 
 def rope_permute(n_heads: int) -> Transform:
@@ -215,7 +237,8 @@ class KeyMap:
                 problems.append(f"{native}: experts differ in shape or dtype")
                 broken.add(native)
                 continue
-            shape = ((len(keys),) if rule.stacked else ()) + infos[0].shape
+            shape = rule.transform.native_shape(infos[0].shape)
+            shape = ((len(keys),) if rule.stacked else ()) + shape
             groups.append(
                 Group(native, keys, rule, TensorInfo(shape, infos[0].dtype), infos)
             )
@@ -252,7 +275,8 @@ class KeyMap:
                 )
                 infos = (TensorInfo(info.shape[1:], info.dtype),) * len(keys)
             else:
-                keys, infos = (rule.hf.format(**fields),), (info,)
+                keys = (rule.hf.format(**fields),)
+                infos = (TensorInfo(rule.transform.hf_shape(info.shape), info.dtype),)
             for k in keys:
                 if k in produced:
                     problems.append(f"{k!r} produced by {produced[k]!r} and {key!r}")
@@ -301,7 +325,8 @@ class ModelAdapter:
 
     The way back (``architecture.derive``): config.json's ``model_type`` is
     one of `model_types`; `hf_defaults` are the HF config class's values of
-    fields config.json may omit; `required` the fields it may not; each
+    fields config.json may omit (a callable: the default given config.json);
+    `required` the fields it may not; each
     `neutral[field](value, config)` says the value changes nothing; and
     ``native_args[era](config, problems)`` builds the upstream args / config,
     appending what it cannot map to `problems`.

@@ -1,4 +1,5 @@
-"""Quantized HF checkpoints: block-wise FP8 (DeepSeek-V3's release format).
+"""Quantized HF checkpoints: block-wise FP8 (DeepSeek-V3's release format)
+and MXFP4 experts (gpt-oss's).
 
 config.json's ``quantization_config`` says ``quant_method: fp8`` with
 ``weight_block_size [b0, b1]``; a ``float8_e4m3fn`` weight ``W_q`` comes with
@@ -10,6 +11,14 @@ consumed), dequantizing each tensor when it is read, so an import streams as
 any other. ``quantize`` is the way back for ``to-hf --dtype fp8-like-source``:
 with the source's own scales, a weight that did not change since the import
 gets its original FP8 bytes back.
+
+MXFP4 (``quant_method: mxfp4``): a weight ``W`` is stored as ``W_blocks``
+(uint8 ``[experts, rows, groups, 16]``: two FP4 e2m1 codes per byte, low
+nibble first, 32 per group) and ``W_scales`` (uint8 ``[experts, rows,
+groups]``: a power of two, exponent biased by 127). ``DequantizedMXFP4``
+presents them as ``W`` in the unquantized HF layout (``[experts, cols,
+rows]``, as transformers' dequantizer gives it); every value is exact in any
+float type. Exports are unquantized.
 """
 
 from __future__ import annotations
@@ -45,19 +54,30 @@ class BlockFP8:
         return (-(-rows // self.block[0]), -(-cols // self.block[1]))
 
 
-def scheme(hf_config: Mapping[str, Any] | None) -> BlockFP8 | None:
-    """The quantization of a config.json: None, block-wise FP8, or refused."""
+@dataclass(frozen=True)
+class MXFP4:
+    """The MXFP4 scheme of one checkpoint (no parameters)."""
+
+    config: Mapping[str, Any]
+
+
+def scheme(hf_config: Mapping[str, Any] | None) -> BlockFP8 | MXFP4 | None:
+    """The quantization of a config.json: None, block-wise FP8, MXFP4, or
+    refused."""
     quantization = (hf_config or {}).get("quantization_config")
     if quantization is None:
         return None
     what = "config.json quantization_config"
     method = quantization.get("quant_method")
+    if method == "mxfp4":
+        return MXFP4(dict(quantization))
     if method != "fp8":
         raise ConversionError(
             what,
             [
                 f"quant_method {method!r} is not supported (supported: 'fp8', "
-                "block-wise, as DeepSeek-V3 publishes); dequantize it first"
+                "block-wise, as DeepSeek-V3 publishes, and 'mxfp4', as gpt-oss "
+                "does); dequantize it first"
             ],
         )
     problems = []
@@ -177,6 +197,112 @@ class Dequantized:
             return tensor
         scale = self.source.read(key + SCALE_SUFFIX)
         return dequantize(tensor, scale, self.scheme.block, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.nbytes
+
+
+def dequantizing(source: Any, dtype: torch.dtype) -> Any:
+    """`source` with its quantized weights read as `dtype` floats (itself if
+    config.json declares no quantization)."""
+    found = scheme(source.config)
+    if found is None:
+        return source
+    if isinstance(found, MXFP4):
+        return DequantizedMXFP4(source, dtype)
+    return Dequantized(source, found, dtype)
+
+
+BLOCKS, SCALES = "_blocks", "_scales"
+# FP4 e2m1 codes 0..15: a sign bit, then 2 exponent bits and 1 mantissa bit.
+_FP4_VALUES = torch.tensor(
+    [
+        0.0,
+        0.5,
+        1.0,
+        1.5,
+        2.0,
+        3.0,
+        4.0,
+        6.0,
+        -0.0,
+        -0.5,
+        -1.0,
+        -1.5,
+        -2.0,
+        -3.0,
+        -4.0,
+        -6.0,
+    ]
+)
+_MXFP4_EXPONENT_BIAS = 127
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[E, rows, groups, 16]`` codes and ``[E, rows, groups]`` exponents ->
+    ``[E, groups * 32, rows]`` in `dtype`, one expert at a time (float32
+    intermediates of one expert only)."""
+    experts, rows, groups, width = blocks.shape
+    out = torch.empty(experts, groups * width * 2, rows, dtype=dtype)
+    for e in range(experts):
+        codes = blocks[e].to(torch.int64)
+        pairs = torch.stack((codes & 0x0F, codes >> 4), dim=-1)  # low nibble first
+        values = _FP4_VALUES[pairs].reshape(rows, groups, width * 2)
+        exponent = scales[e].to(torch.int32) - _MXFP4_EXPONENT_BIAS
+        values = torch.ldexp(values, exponent.unsqueeze(-1))
+        out[e] = values.reshape(rows, groups * width * 2).T
+    return out
+
+
+class DequantizedMXFP4:
+    """An HF checkpoint's tensors with MXFP4 ``W_blocks`` / ``W_scales`` pairs
+    read as one `dtype` ``W``. Same interface as ``HFCheckpoint``; every
+    unpaired or misshapen pair is reported at once, before anything is read."""
+
+    def __init__(self, source: Any, dtype: torch.dtype):
+        self.source, self.dtype, self.config = source, dtype, source.config
+        self.quantized: set[str] = set()
+        self.infos: dict[str, TensorInfo] = {}
+        problems = []
+        for key, info in source.infos.items():
+            if key.endswith(SCALES):
+                if key.removesuffix(SCALES) + BLOCKS not in source.infos:
+                    problems.append(f"{key!r} scales no {BLOCKS} weight")
+                continue
+            if not key.endswith(BLOCKS):
+                self.infos[key] = info
+                continue
+            name = key.removesuffix(BLOCKS)
+            scale = source.infos.get(name + SCALES)
+            if scale is None:
+                problems.append(f"MXFP4 weight {key!r} has no {name + SCALES!r}")
+                continue
+            if (
+                len(info.shape) != 4
+                or info.dtype != torch.uint8
+                or scale.shape != info.shape[:-1]
+                or scale.dtype != torch.uint8
+            ):
+                problems.append(
+                    f"{key!r} {list(info.shape)} {info.dtype} with scales "
+                    f"{list(scale.shape)} {scale.dtype}: expected uint8 blocks "
+                    "[experts, rows, groups, 16], uint8 scales [experts, rows, groups]"
+                )
+                continue
+            experts, rows, groups, width = info.shape
+            self.quantized.add(name)
+            self.infos[name] = TensorInfo((experts, groups * width * 2, rows), dtype)
+        if problems:
+            raise ConversionError(f"MXFP4 checkpoint {source.path}", problems)
+
+    def read(self, key: str) -> torch.Tensor:
+        if key not in self.quantized:
+            return self.source.read(key)
+        blocks = self.source.read(key + BLOCKS)
+        return dequantize_mxfp4(blocks, self.source.read(key + SCALES), self.dtype)
 
     @property
     def nbytes(self) -> int:
