@@ -134,7 +134,7 @@ FAMILIES = {
         rope_theta=150000.0,
         rope_scaling={
             "rope_type": "yarn",
-            "factor": 8.0,
+            "factor": 2.0,  # max_position_embeddings / original
             "beta_fast": 32.0,
             "beta_slow": 1.0,
             "truncate": False,

@@ -86,7 +86,7 @@ def test_hf_save_and_load_in_training(launcher, tmp_path):
 # import is checked against transformers in test_hf_adapters; its training
 # runs are left to 0.3.x for CI time; llama3 ties no weights).
 TRAIN_FROM_HF = {
-    "config_registry": ["llama3", "qwen3_moe", "deepseek_v3"],
+    "config_registry": ["llama3", "qwen3_moe", "deepseek_v3", "gpt_oss"],
     "trainspec": ["llama3", "qwen2"],
 }
 
