@@ -230,6 +230,24 @@ NEUTRAL = {
 }
 
 
+def yarn_scaling(
+    model: str, hf: Mapping[str, Any], problems: list[str]
+) -> dict[str, Any] | None:
+    """config.json's ``rope_scaling`` if it is YaRN, None without scaling;
+    another type is a problem (the models that read this support only YaRN)."""
+    scaling = hf.get("rope_scaling")
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        problems.append(
+            f"config.json rope_scaling.rope_type {kind!r} is not supported for "
+            f"{model} (supported: 'yarn' or no rope_scaling)"
+        )
+        return None
+    return dict(scaling)
+
+
 def is_moe(config: Any) -> bool:
     """A 0.3.x decoder config with MoE layers."""
     return any(getattr(layer, "moe", None) for layer in config.layers)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.state_dict_adapters import decoder
 from torchtitan_npu.state_dict_adapters.decoder import (
     EXPERT_BIAS,
     EXPERTS,
@@ -239,15 +240,8 @@ def _yarn(hf: Mapping[str, Any], problems: list[str]) -> dict[str, Any] | None:
     """config.json's YaRN settings, or None without rope scaling. Upstream
     folds YaRN's mscale into the softmax scale only: HF's mscale (on cos/sin)
     must equal mscale_all_dim (on the softmax), as in DeepSeek's releases."""
-    scaling = hf.get("rope_scaling")
+    scaling = decoder.yarn_scaling("deepseek_v3", hf, problems)
     if scaling is None:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "yarn":
-        problems.append(
-            f"config.json rope_scaling.rope_type {kind!r} is not supported for "
-            "deepseek_v3 (supported: 'yarn' or no rope_scaling)"
-        )
         return None
     mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if mscale is None or mscale != all_dim:
@@ -358,8 +352,6 @@ def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
     its inits, and its MTP layers."""
     import torchtitan.models.deepseek_v3 as upstream
     from torchtitan.models.common import ComplexRoPE
-
-    from torchtitan_npu.state_dict_adapters import decoder
 
     yarn = _yarn(hf, problems)
     if problems:

@@ -152,15 +152,8 @@ REQUIRED = (*decoder.REQUIRED, "num_local_experts", "num_experts_per_tok")
 
 def _rope(hf: Mapping[str, Any], problems: list[str]) -> dict[str, Any] | None:
     """config.json's YaRN settings (None: no scaling)."""
-    scaling = hf.get("rope_scaling")
+    scaling = decoder.yarn_scaling("gpt_oss", hf, problems)
     if scaling is None:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "yarn":
-        problems.append(
-            f"config.json rope_scaling.rope_type {kind!r} is not supported for "
-            "gpt_oss (supported: 'yarn' or no rope_scaling)"
-        )
         return None
     extra = sorted(set(scaling) - {"rope_type", "type", *_YARN_DEFAULTS})
     problems += [
