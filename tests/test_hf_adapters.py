@@ -317,6 +317,10 @@ def test_cli_convert(llama_hf, tmp_path):
     )  # fmt: skip
     assert good.returncode == 0, good.stderr[-2000:]
     assert "llama3 debugmodel" in good.stdout and "from-hf [" in good.stderr
+    train = (
+        "--model.name llama3 --model.flavor debugmodel --checkpoint.initial_load_path"
+    )
+    assert train in good.stdout  # a training line to copy
     hf = subprocess.run(
         [*command, "to-hf", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--model",
          "llama3", "--dtype", "bf16", "--tokenizer", str(llama_hf)],

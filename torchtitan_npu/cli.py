@@ -256,6 +256,7 @@ def _interruptible(run: Callable[[], int], what: str, out: str) -> int:
 
 def _run_convert(args: argparse.Namespace) -> int:
     from torchtitan_npu.state_dict_adapters import convert
+    from torchtitan_npu.state_dict_adapters.architecture import HF_FLAVOR
 
     dtype = convert.DTYPE_ARGS.get(args.dtype) if args.dtype else None
     common = dict(model=args.model, flavor=args.flavor, dtype=dtype)
@@ -263,7 +264,10 @@ def _run_convert(args: argparse.Namespace) -> int:
         result = convert.from_hf(
             args.source, args.out, skip_mtp=args.skip_mtp, **common
         )
-        hint = f"train from it: --checkpoint.initial_load_path {result.out}"
+        model = f"--model.name {args.model} --model.flavor {result.flavor}"
+        if result.flavor == HF_FLAVOR:  # the architecture is config.json's
+            model += f" --model.hf_assets_path {args.source}"
+        hint = f"train from it: {model} --checkpoint.initial_load_path {result.out}"
     else:
         result = convert.to_hf(
             args.source,
