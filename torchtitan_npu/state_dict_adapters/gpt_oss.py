@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.errors import ConversionError
 from torchtitan_npu.state_dict_adapters import decoder
 from torchtitan_npu.state_dict_adapters.decoder import attention_facts, base_hf_config
 from torchtitan_npu.state_dict_adapters.mapping import (
@@ -34,8 +35,11 @@ EXPERTS = {
         for n in ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")
     ),
 }
-# What HF's GptOss always computes (not in its config.json).
-SWIGLU_ALPHA = 1.702
+# 0.2.1 has gpt_oss as an experiment whose RoPE ignores its YaRN arguments.
+NO_YARN = (
+    "this torchtitan's gpt_oss (an experiment before 0.2.2) rotates without YaRN, "
+    "which gpt-oss checkpoints use: convert with torchtitan 0.2.2 or later"
+)
 
 
 def rules(era: Era, hf_config: Mapping[str, Any]) -> list[Rule]:
@@ -99,6 +103,8 @@ def _yarn(factor, beta_fast, beta_slow, original, truncate) -> dict[str, Any] | 
 
 
 def _trainspec_facts(args: Any) -> dict[str, Any]:
+    if not hasattr(args, "ntk_beta"):
+        raise ConversionError("gpt_oss", [NO_YARN])
     moe = args.moe_args
     return dict(
         top_k=moe.top_k,
@@ -241,11 +247,16 @@ def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
 def _trainspec_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
     """0.2.x GptOssModelArgs (its layers alternate: even ones slide)."""
     # pyrefly: ignore[missing-import]  # 0.2.x only
-    from torchtitan.models.gpt_oss.model.args import GptOssModelArgs
-
-    # pyrefly: ignore[missing-import]  # 0.2.x only
     from torchtitan.models.moe import MoEArgs
 
+    from torchtitan_npu.state_dict_adapters import upstream_models as um
+
+    registered = um.model_args(
+        "gpt_oss", um.flavor_names("gpt_oss", Era.TRAINSPEC)[0], Era.TRAINSPEC
+    )
+    if not hasattr(registered, "ntk_beta"):
+        problems.append(NO_YARN)
+        return None
     _check(hf, problems)
     yarn = _rope(hf, problems) or {**_YARN_DEFAULTS, "truncate": False}
     if yarn["truncate"]:
@@ -255,7 +266,7 @@ def _trainspec_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
         )
     if problems:
         return None
-    return GptOssModelArgs(
+    return type(registered)(
         max_seq_len=hf["max_position_embeddings"],
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],

@@ -24,7 +24,12 @@ def _package(model: str) -> ModuleType:
 def _train_spec(model: str) -> Any:
     from torchtitan.protocols.train_spec import get_train_spec
 
-    return get_train_spec(model)
+    try:
+        return get_train_spec(model)
+    except ValueError:  # "TrainSpec X is not registered."
+        raise ConversionError(
+            f"model {model!r}", ["not a model of this torchtitan release"]
+        ) from None
 
 
 def _trainspec_build(model: str, args: Any) -> torch.nn.Module:
