@@ -36,6 +36,36 @@ def test_gpt_oss_trains_in_fp32_on_one_device(overlay):
     assert experts and all(grads[n].grad is not None for n in experts)
 
 
+@requires_era("trainspec")
+def test_gpt_oss_0_2_2_initialises_every_parameter_in_fp32(overlay):
+    """0.2.2's gpt_oss cast its layers to bf16 (fp32 embedding: 'mat1 and mat2
+    must have the same dtype') and never initialised its router's gate bias
+    (NaN losses from step 1): every parameter is set after the meta build,
+    whatever memory held (NaN here), and one fp32 step is finite."""
+    pytest.importorskip("torchtitan.models.gpt_oss", reason="gpt_oss is 0.2.2's")
+    import copy
+
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec("gpt_oss")
+    args = copy.deepcopy(spec.model_args["debugmodel"])
+    args.vocab_size, args.max_seq_len = 2048, 64
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+        model.init_weights(buffer_device=torch.device("cpu"))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    unset = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    assert not unset
+    tokens = torch.randint(0, 2048, (2, 64))
+    logits = model(tokens, model.get_attention_masks(tokens, None))
+    assert torch.isfinite(logits).all()
+    logits.mean().backward()
+
+
 def test_models_lists_each_model_and_flavor_with_its_size(capsys, overlay):
     from torchtitan_npu.cli import main
 

@@ -30,6 +30,9 @@ class Layout:
     known_issues: dict[str, KnownIssue] = field(default_factory=dict)
     # per-era overrides (e.g. a flex-attention flavor on 0.2.x for CP)
     era_overrides: dict[str, dict[str, object]] = field(default_factory=dict)
+    # (loss, grad_norm) parity rtol of a model upstream computes partly in
+    # bf16 (None: the fp32 tolerances); determinism and resume stay bitwise
+    parity_rtol: tuple[float, float] | None = None
 
     @property
     def model(self) -> str:
@@ -207,29 +210,62 @@ LAYOUTS += [Layout("hf_finetune", 2, {**_degrees(dp_shard=2), **HF_FLAVOR})]
 # Upstream's other models through the overlay: single, fsdp and tp, each from
 # its own seed checkpoint; the MoE models' ep rows are listed, unsupported on
 # gloo (measured: kimi_ep fails in the token dispatch's all-to-all).
+_ERAS = ("config_registry", "trainspec")
 _NEW_IN_030 = "the model is new in upstream 0.3.0"
 _MOE_ON_022 = (
     "not yet measured on 0.2.x (its MoE runs on CPU since the overlay's "
     "moe_integer_histc; the rows are 0.3.0's flavors)"
 )
+_KIMI_TP = (
+    "upstream's Kimi optimizer (DistMuon) requires tensor_parallel_degree=1 "
+    "(TP can give _StridedShard parameters it does not support)"
+)
+_GPT_OSS_TP = (
+    "parity not established: TP's step-1 loss is 0.34% off the single-device "
+    "run (measured 2026-12-02, far above bf16 noise: FSDP's is 2e-4); unexplained"
+)
+# gpt_oss's experts (GEMMs, SwiGLU, biases) are bf16 in upstream: FSDP parity
+# measured 2.0e-4 (loss) / 1.4e-3 (grad_norm) over 4 steps.
+_BF16_EXPERTS_RTOL = (1e-3, 5e-3)
 _EP_ON_GLOO = (
     "gloo's all_to_all needs equal splits and upstream's expert-parallel token "
     "dispatch sends uneven ones ('ProcessGroupGloo::alltoall: invalid tensor "
     "size'): ep needs NCCL/HCCL"
 )
 OTHER_MODELS = {
-    # row prefix: (model, flavor, MoE, unsupported)
-    "gpt_oss": ("gpt_oss", "debugmodel", True, {"trainspec": _MOE_ON_022}),
-    "qwen3_moe": ("qwen3", "moe_debug", True, {"trainspec": _MOE_ON_022}),
-    "qwen3_5": ("qwen3_5", "debugmodel", False, {"trainspec": _NEW_IN_030}),
-    "kimi": ("kimi_k2_7", "kimi_k2_5_debugmodel", True, {"trainspec": _NEW_IN_030}),
+    # row prefix: (model, flavor, MoE, unsupported, tp unsupported, parity rtol)
+    "gpt_oss": (
+        "gpt_oss",
+        "debugmodel",
+        True,
+        {"trainspec": _MOE_ON_022},
+        _GPT_OSS_TP,
+        _BF16_EXPERTS_RTOL,
+    ),
+    "qwen3_moe": ("qwen3", "moe_debug", True, {"trainspec": _MOE_ON_022}, None, None),
+    "qwen3_5": ("qwen3_5", "debugmodel", False, {"trainspec": _NEW_IN_030}, None, None),
+    "kimi": (
+        "kimi_k2_7",
+        "kimi_k2_5_debugmodel",
+        True,
+        {"trainspec": _NEW_IN_030},
+        _KIMI_TP,
+        None,
+    ),
 }
-for prefix, (model, flavor, moe, unsupported) in OTHER_MODELS.items():
+for prefix, (model, flavor, moe, unsupported, no_tp, rtol) in OTHER_MODELS.items():
     chosen = {"model.name": model, "model.flavor": flavor}
+    tp_unsupported = dict.fromkeys(_ERAS, no_tp) if no_tp else unsupported
     LAYOUTS += [
         Layout(f"{prefix}_single", 1, {**_degrees(), **chosen}, unsupported),
-        Layout(f"{prefix}_fsdp", 2, {**_degrees(dp_shard=2), **chosen}, unsupported),
-        Layout(f"{prefix}_tp", 2, {**_degrees(tp=2), **chosen}, unsupported),
+        Layout(
+            f"{prefix}_fsdp",
+            2,
+            {**_degrees(dp_shard=2), **chosen},
+            unsupported,
+            parity_rtol=rtol,
+        ),
+        Layout(f"{prefix}_tp", 2, {**_degrees(tp=2), **chosen}, tp_unsupported),
     ]
     if moe:
         ep = {**_degrees(dp_shard=2), "parallelism.expert_parallel_degree": 2}
@@ -238,7 +274,7 @@ for prefix, (model, flavor, moe, unsupported) in OTHER_MODELS.items():
                 f"{prefix}_ep",
                 2,
                 {**ep, **chosen},
-                dict.fromkeys(("config_registry", "trainspec"), _EP_ON_GLOO),
+                dict.fromkeys(_ERAS, _EP_ON_GLOO),
             )
         )
 

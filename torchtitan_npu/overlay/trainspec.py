@@ -268,12 +268,76 @@ MOE_ROUTER_HISTC = Patch(
     apply=no_change,
 )
 
+
+def _apply_layers_in_default_dtype(target: Target, ctx: PatchContext) -> list[Change]:
+    import torch
+
+    original = target.obj
+
+    def __init__(self, model_args):
+        original(self, model_args)
+        self.layers.to(torch.get_default_dtype())
+
+    return [Change(target.owner, target.attr, __init__)]
+
+
+GPT_OSS_LAYERS_DTYPE = Patch(
+    name="gpt_oss_layers_dtype",
+    target="torchtitan.models.gpt_oss.model.model:GptOssModel.__init__",
+    kind="wrap",
+    reason=(
+        "0.2.2's gpt_oss casts its layers to bf16 at build while its embedding and "
+        "head keep the default dtype; outside FSDP's mixed precision (one CPU "
+        "process, fp32 params) the first layer fails ('mat1 and mat2 must have the "
+        "same dtype'): on CPU the layers keep the default dtype, as 0.3.0's "
+        "gpt_oss builds them."
+    ),
+    eras=(Era.TRAINSPEC,),
+    since="0.2.2",
+    upstream_ref="none filed: fixed upstream in 0.3.0 (layers in the default dtype)",
+    remove_when="0.2.x era dropped",
+    apply=_apply_layers_in_default_dtype,
+    skip=skip_unless_cpu,
+)
+
+
+def _apply_gate_bias_init(target: Target, ctx: PatchContext) -> list[Change]:
+    import torch
+
+    original = target.obj
+
+    def init_weights(self, init_std: float):
+        original(self, init_std)
+        if self.gate.bias is not None:
+            torch.nn.init.zeros_(self.gate.bias)
+
+    return [Change(target.owner, target.attr, init_weights)]
+
+
+MOE_GATE_BIAS_INIT = Patch(
+    name="moe_gate_bias_init",
+    target="torchtitan.models.moe.moe:TokenChoiceTopKRouter.init_weights",
+    kind="wrap",
+    reason=(
+        "0.2.x's router initialises its gate's weight but not the bias gpt_oss's "
+        "router has (gate_bias=True): after the meta-device build it is whatever "
+        "memory held, NaN losses from step 1 on CPU. The bias starts at zero, as "
+        "0.3.0's gpt_oss initialises it."
+    ),
+    eras=(Era.TRAINSPEC,),
+    upstream_ref="none filed: 0.3.0's per-module param_init covers the bias",
+    remove_when="0.2.x era dropped",
+    apply=_apply_gate_bias_init,
+)
+
 PATCHES = [
     EAGER_FLEX_ATTENTION,
     FLEX_MASK_DEVICE,
     MOE_INTEGER_HISTC,
     MOE_ROUTER_HISTC,
     MOE_PERMUTE_ON_CPU,
+    GPT_OSS_LAYERS_DTYPE,
+    MOE_GATE_BIAS_INIT,
     HF_ADAPTERS,
     QWEN2_MODEL,
     CONVERTERS,
