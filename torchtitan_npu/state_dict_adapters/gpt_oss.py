@@ -239,7 +239,10 @@ def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
             sliding_window_size=hf["sliding_window"] if sliding else None,
             rope=rope,
         )
-        layer.moe.routed_experts.inner_experts.swiglu_limit = hf["swiglu_limit"]
+        assert layer.moe is not None  # every gpt-oss layer is MoE
+        experts = layer.moe.routed_experts.inner_experts
+        # pyrefly: ignore[missing-attribute]  # a GptOssGroupedExperts.Config
+        experts.swiglu_limit = hf["swiglu_limit"]
     decoder.set_norm_eps(config, hf["rms_norm_eps"])
     return config
 
