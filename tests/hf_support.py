@@ -96,9 +96,11 @@ def save_native(module: torch.nn.Module, checkpoint: Path) -> None:
 def native_logits(module: torch.nn.Module, tokens: torch.Tensor, era: str):
     with torch.no_grad():
         if era == "trainspec":
-            if "attention_masks" not in inspect.signature(module.forward).parameters:
+            masks = inspect.signature(module.forward).parameters.get("attention_masks")
+            if masks is None or masks.default is not inspect.Parameter.empty:
                 return module(tokens)
-            # 0.2.x flex models (gpt_oss): causal masks need no tokenizer
+            # 0.2.x models that require masks (gpt_oss, flex only): causal
+            # masks need no tokenizer
             return module(tokens, module.get_attention_masks(tokens, None))
         if not hasattr(module, "get_attention_masks"):  # titan-npu's qwen2
             return module(tokens)
