@@ -129,6 +129,8 @@ ARCHITECTURE_BUILDERS = [
     _architecture_builder("deepseek_v3", "_build_dsv3_layers"),
     _architecture_builder("deepseek_v3", "_build_mtp_layers"),
     _architecture_builder("deepseek_v3", "_output_linear_init"),
+    _architecture_builder("gpt_oss", "_build_gptoss_layers"),
+    _architecture_builder("gpt_oss", "_make_gptoss_attn_config"),
 ]
 
 
