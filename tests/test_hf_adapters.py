@@ -321,6 +321,11 @@ def test_cli_convert(llama_hf, tmp_path):
         "--model.name llama3 --model.flavor debugmodel --checkpoint.initial_load_path"
     )
     assert train in good.stdout  # a training line to copy
+    named = subprocess.run(  # no --model: config.json's model_type names it
+        [*command, "from-hf", str(llama_hf), str(tmp_path / "dcp2")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert named.returncode == 0 and "llama3 debugmodel" in named.stdout
     hf = subprocess.run(
         [*command, "to-hf", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--model",
          "llama3", "--dtype", "bf16", "--tokenizer", str(llama_hf)],

@@ -259,6 +259,8 @@ def _run_convert(args: argparse.Namespace) -> int:
     from torchtitan_npu.state_dict_adapters.architecture import HF_FLAVOR
 
     dtype = convert.DTYPE_ARGS.get(args.dtype) if args.dtype else None
+    if args.model is None:  # from-hf: the model config.json names
+        args.model = convert.model_of(args.source)
     common = dict(model=args.model, flavor=args.flavor, dtype=dtype)
     if args.direction == "from-hf":
         result = convert.from_hf(
@@ -369,7 +371,16 @@ def build_parser() -> argparse.ArgumentParser:
         sub = directions.add_parser(name, help=help_, description=help_)
         sub.add_argument("source", metavar=source)
         sub.add_argument("out", metavar="OUT", help="new directory (atomic)")
-        sub.add_argument("--model", required=True, help="llama3, qwen3, ...")
+        sub.add_argument(
+            "--model",
+            required=name == "to-hf",
+            help="llama3, qwen3, ..."
+            + (
+                " (default: the one config.json's model_type names)"
+                if name == "from-hf"
+                else ""
+            ),
+        )
         sub.add_argument(
             "--flavor",
             help="default: the registered flavor config.json (from-hf) or the "

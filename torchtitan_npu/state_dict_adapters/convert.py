@@ -128,6 +128,21 @@ def from_hf(
     return Result(Path(out), flavor, len(layout), nbytes, time.perf_counter() - start)
 
 
+def model_of(hf_dir: str | Path) -> str:
+    """The titan-npu model that reads hf_dir/config.json's model_type."""
+    config = architecture.read_config(hf_dir)
+    model = architecture.model_for(config)
+    if model is None:
+        raise ConversionError(
+            f"HF checkpoint {hf_dir}",
+            [
+                f"config.json model_type {config.get('model_type')!r} is no model "
+                "titan-npu converts; pass --model if it is one under another name"
+            ],
+        )
+    return model
+
+
 def _stored_dtype(hf_config: dict) -> torch.dtype:
     """The dtype a checkpoint keeps its unquantized tensors in (config.json)."""
     name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"
