@@ -20,11 +20,14 @@ TESTED = {
     ("llama3", "debugmodel"): "matrix",
     ("qwen2", "debugmodel"): "matrix",
     ("qwen3", "debugmodel"): "converters, HF",
-    ("qwen3", "moe_debug"): "HF",
+    ("qwen3", "moe_debug"): "HF, matrix (nox)",
     ("deepseek_v3", "debugmodel"): "converters, HF",
+    ("gpt_oss", "debugmodel"): "matrix (nox), CPU train",
     ("gpt_oss", "debugmodel_flex"): "CPU train step",
-    ("qwen3_5", "debugmodel"): "CPU train step (no fla)",
-    ("kimi_k2_7", "kimi_k2_5_debugmodel"): "CPU train (text)",
+    ("gpt_oss", "20b"): "HF config.json",
+    ("gpt_oss", "120b"): "HF config.json",
+    ("qwen3_5", "debugmodel"): "matrix (nox), CPU train (no fla)",
+    ("kimi_k2_7", "kimi_k2_5_debugmodel"): "matrix (nox), CPU train (text)",
 }
 
 
