@@ -45,10 +45,6 @@ def tolerance(family: str) -> float:
     return 1e-3 if family in MOE else 1e-4
 
 
-# 0.2.x's gpt_oss casts its layers to bf16 at build (its forward needs FSDP's
-# mixed precision), so no fp32 forward compares with transformers there.
-BF16_GPT_OSS = "0.2.x gpt_oss: bf16 layers; the logits are compared on 0.3.x"
-
 # What some locked releases cannot build, refused by name there: 0.2.0 and
 # 0.2.1's qwen3 declares tying but builds separate weights; 0.2.0's
 # deepseek_v3 has no expert groups; gpt_oss is 0.2.2's and 0.3's.
@@ -82,8 +78,6 @@ def test_import_derives_the_flavor_and_matches_transformers(checkpoint, tmp_path
     assert result.flavor == architecture.HF_FLAVOR
     if family in MOE and ERA == "trainspec" and not FULL_SUITE:
         pytest.skip("0.2.x MoE forward: nox -s full (CI time; 0.3.x runs it)")
-    if family == "gpt_oss" and ERA == "trainspec":
-        pytest.skip(BF16_GPT_OSS)
     config = json.loads((path / "config.json").read_text())
     args = architecture.derive(model, config, ERA)
     native = native_model(model, args, ERA)
@@ -381,8 +375,6 @@ def test_gpt_oss_mxfp4_imports_dequantized_as_transformers_does(
         )
         expected = theirs[f"model.layers.1.mlp.experts.{hf_name}"].transpose(1, 2)
         assert torch.equal(state[native_key], expected), hf_name  # bit for bit
-    if ERA == "trainspec":
-        pytest.skip(BF16_GPT_OSS)
     diff = (native_logits(native, TOKENS, ERA) - hf_logits(hf, TOKENS)).abs().max()
     print(f"gpt_oss MXFP4 on {ERA}: logits max abs diff {diff:.2e}")
     assert diff <= tolerance("gpt_oss")
