@@ -374,12 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--model",
             required=name == "to-hf",
-            help="llama3, qwen3, ..."
-            + (
-                " (default: the one config.json's model_type names)"
-                if name == "from-hf"
-                else ""
-            ),
+            help="llama3, qwen3, ... (from-hf: default, the one config.json names)",
         )
         sub.add_argument(
             "--flavor",

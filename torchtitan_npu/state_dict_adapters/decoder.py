@@ -230,6 +230,15 @@ NEUTRAL = {
 }
 
 
+def routing(router: Any) -> dict[str, Any]:
+    """A router's top_k / score_func / route_norm / route_scale: 0.2.x
+    ``MoEArgs`` and 0.3.x router configs name them alike."""
+    return {
+        k: getattr(router, k)
+        for k in ("top_k", "score_func", "route_norm", "route_scale")
+    }
+
+
 def yarn_scaling(
     model: str, hf: Mapping[str, Any], problems: list[str]
 ) -> dict[str, Any] | None:

@@ -176,12 +176,9 @@ def _trainspec_facts(args):
         beta_fast=args.beta_fast,
         beta_slow=args.beta_slow,
         mscale=args.mscale,
-        top_k=moe.top_k,
         groups=getattr(moe, "num_expert_groups", None),  # none before 0.2.1
         limited_groups=getattr(moe, "num_limited_groups", None),
-        route_norm=moe.route_norm,
-        route_scale=moe.route_scale,
-        score_func=moe.score_func,
+        **decoder.routing(moe),
     )
 
 
@@ -205,12 +202,9 @@ def _config_registry_facts(args):
         beta_fast=rope.beta_fast,
         beta_slow=rope.beta_slow,
         mscale=attn.mscale,
-        top_k=router.top_k,
         groups=router.num_expert_groups,
         limited_groups=router.num_limited_groups,
-        route_norm=router.route_norm,
-        route_scale=router.route_scale,
-        score_func=router.score_func,
+        **decoder.routing(router),
     )
 
 

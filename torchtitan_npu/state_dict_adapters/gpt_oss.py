@@ -105,12 +105,8 @@ def _yarn(factor, beta_fast, beta_slow, original, truncate) -> dict[str, Any] | 
 def _trainspec_facts(args: Any) -> dict[str, Any]:
     if not hasattr(args, "ntk_beta"):
         raise ConversionError("gpt_oss", [NO_YARN])
-    moe = args.moe_args
     return dict(
-        top_k=moe.top_k,
-        score_func=moe.score_func,
-        route_norm=moe.route_norm,
-        route_scale=moe.route_scale,
+        **decoder.routing(args.moe_args),
         window=args.sliding_window_size,
         sliding=[i % 2 == 0 for i in range(args.n_layers)],  # upstream's layers
         swiglu_limit=args.swiglu_limit,
@@ -131,10 +127,7 @@ def _config_registry_facts(args: Any) -> dict[str, Any]:
     windows = [block.attention.sliding_window_size for block in args.layers]
     scaled = rope.scaling == "yarn"
     return dict(
-        top_k=router.top_k,
-        score_func=router.score_func,
-        route_norm=router.route_norm,
-        route_scale=router.route_scale,
+        **decoder.routing(router),
         window=next((w for w in windows if w is not None), None),
         sliding=[w is not None for w in windows],
         swiglu_limit=layer.moe.routed_experts.inner_experts.swiglu_limit,

@@ -57,26 +57,14 @@ def hf_config(args: Any, era: Era, layout: Mapping[str, TensorInfo]) -> dict[str
 def _trainspec_moe(args: Any) -> dict[str, Any] | None:
     if not getattr(args, "moe_enabled", False):
         return None
-    moe = args.moe_args
-    return dict(
-        top_k=moe.top_k,
-        route_norm=moe.route_norm,
-        route_scale=moe.route_scale,
-        score_func=moe.score_func,
-    )
+    return decoder.routing(args.moe_args)
 
 
 def _config_registry_moe(args: Any) -> dict[str, Any] | None:
     layer = next((layer for layer in args.layers if layer.moe), None)
     if layer is None:
         return None
-    router = layer.moe.router
-    return dict(
-        top_k=router.top_k,
-        route_norm=router.route_norm,
-        route_scale=router.route_scale,
-        score_func=router.score_func,
-    )
+    return decoder.routing(layer.moe.router)
 
 
 # The routing facts of an MoE flavor's args, or None for a dense one.
