@@ -45,7 +45,7 @@ def _other_era_names() -> dict[str, str]:
     layout = um.native_layout(MODEL, um.model_args(MODEL, FLAVOR, ERA), ERA)
     by_hf = {g.hf: g.native for g in here.plan_to_hf(layout)}
     hf = {k: i for g in here.plan_to_hf(layout) for k, i in zip(g.hf, g.hf_infos)}
-    return {by_hf[g.hf]: g.native for g in there.plan_from_hf(hf)}
+    return {by_hf[g.hf][0]: g.native[0] for g in there.plan_from_hf(hf)}
 
 
 def _fused_parameters(names: list[str]) -> dict[str, list[str]]:

@@ -153,7 +153,7 @@ def test_rules_cover_every_key_once(model):
     hf = {k: i for g in to_hf for k, i in zip(g.hf, g.hf_infos)}
     assert len(hf) == sum(len(g.hf) for g in to_hf)
     back = keymap.plan_from_hf(hf, expected=layout)
-    assert {g.native: g.native_info for g in back} == layout
+    assert {n: i for g in back for n, i in zip(g.native, g.native_infos)} == layout
     for g in back:
         if g.rule.stacked:
             experts = [int(k.split(".experts.")[1].split(".")[0]) for k in g.hf]
@@ -166,7 +166,7 @@ def test_experts_sort_numerically():
     hf = {f"model.layers.1.mlp.experts.{e}.up_proj.weight": info for e in range(12)}
     (group,) = keymap.plan_from_hf(hf)
     assert [k.split(".")[5] for k in group.hf] == [str(e) for e in range(12)]
-    assert group.native_info.shape == (12, 4, 2)
+    assert group.native_infos[0].shape == (12, 4, 2)
 
 
 # --- bad inputs: a clear error, nothing left behind -------------------------

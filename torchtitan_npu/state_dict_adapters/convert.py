@@ -104,16 +104,21 @@ def from_hf(
     native_config = adapter.hf_config(args, era, expected)
     native_config["tie_word_embeddings"] = tied
     keymap = adapter.keymap(era, native_config)
-    groups = {g.native: g for g in keymap.plan_from_hf(infos, expected)}
+    groups = {n: g for g in keymap.plan_from_hf(infos, expected) for n in g.native}
     layout = {
-        k: TensorInfo(g.native_info.shape, dtype or g.native_info.dtype)
+        k: TensorInfo(i.shape, dtype or i.dtype)
         for k, g in groups.items()
+        for n, i in zip(g.native, g.native_infos)
+        if n == k
     }
     bar = Progress("from-hf", sum(i.nbytes for i in layout.values()), progress)
+    made: dict[str, torch.Tensor] = {}  # the other parts of a fused HF tensor
 
     def make(key: str) -> torch.Tensor:
-        g = groups[key]
-        tensor = g.to_native([source.read(k) for k in g.hf]).to(layout[key].dtype)
+        if key not in made:
+            g = groups[key]
+            made.update(zip(g.native, g.to_native([source.read(k) for k in g.hf])))
+        tensor = made.pop(key).to(layout[key].dtype)
         bar.advance(tensor.nbytes)
         return tensor
 
@@ -232,8 +237,8 @@ def to_hf(
     with atomic_dir(out) as tmp, bar:
         with ShardedWriter(tmp, plan, limit) as writer:
             for g in groups:
-                tensor = source.read(g.native)
-                for key, part in zip(g.hf, g.to_hf(tensor)):
+                tensors = [source.read(n) for n in g.native]
+                for key, part in zip(g.hf, g.to_hf(tensors)):
                     if fp8 is not None and fp8.covers(key, TensorInfo.of(part)):
                         for name, stored in fp8.quantized(key, part):
                             writer.write(name, stored)
@@ -242,7 +247,7 @@ def to_hf(
                     part = part.to(out_dtype) if part.is_floating_point() else part
                     writer.write(key, part)
                     bar.advance(part.nbytes)
-                del tensor, part  # before the next read: RSS holds one group
+                del tensors, part  # before the next read: RSS holds one group
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer is not None:
             _copy_tokenizer(Path(tokenizer), tmp)

@@ -4,7 +4,9 @@ A model's mapping is a list of `Rule`s. Each rule pairs one HF key pattern
 with one native key pattern and an invertible tensor transform. Patterns use
 ``{layer}`` and ``{expert}``; a rule whose HF pattern has ``{expert}`` and
 whose native pattern does not stacks the per-expert HF tensors (in numeric
-expert order) into one native tensor.
+expert order) into one native tensor. A `Fused` rule's native pattern has
+``{part}``: one HF tensor is its native parts concatenated (q, k, v -> qkv).
+A dropped HF key family may end in ``{rest}`` (any suffix).
 
 Planning works on tensor metadata only (`TensorInfo`), so a whole conversion
 is checked -- every key consumed once, every target produced once, shapes and
@@ -14,6 +16,7 @@ as one `ConversionError`.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +27,8 @@ import torch
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.errors import ConversionError
 
-PLACEHOLDERS = ("layer", "expert")
+# Placeholder -> what it matches (``{part}``: a `Fused` rule's part names).
+PLACEHOLDERS = {"layer": r"\d+", "expert": r"\d+", "rest": r".+"}
 
 # Non-model state in a native (DCP) training checkpoint: ignored on export.
 TRAINING_STATE_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state")
@@ -81,6 +85,25 @@ def swap_dims(a: int, b: int) -> Transform:
     return Transform(f"swap_dims({a}, {b})", transpose, transpose, swap, swap)
 
 
+def reshaped(hf_dims: tuple[int, ...]) -> Transform:
+    """Native (rows, prod(hf_dims)) <-> HF (rows, *hf_dims): a Linear's weight
+    and the Conv3d it stands for."""
+
+    def hf_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (shape[0], *hf_dims)
+
+    def native_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (shape[0], math.prod(shape[1:]))
+
+    return Transform(
+        f"reshaped{hf_dims}",
+        lambda t: t.reshape(hf_shape(tuple(t.shape))),
+        lambda t: t.reshape(native_shape(tuple(t.shape))),
+        hf_shape,
+        native_shape,
+    )
+
+
 def rope_permute(n_heads: int) -> Transform:
     """Native interleaved (complex) RoPE rows <-> HF half-split rows.
 
@@ -102,6 +125,15 @@ def rope_permute(n_heads: int) -> Transform:
 
 
 @dataclass(frozen=True)
+class Fused:
+    """One HF tensor is the native tensors named by `parts` (the values of
+    the native pattern's ``{part}``) concatenated along `dim`, in order."""
+
+    dim: int
+    parts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Rule:
     """One HF key pattern <-> one native key pattern.
 
@@ -117,16 +149,20 @@ class Rule:
     native: str | None
     transform: Transform = IDENTITY
     tied_to: str | None = None
+    fused: Fused | None = None
 
     @property
     def stacked(self) -> bool:
         return "{expert}" in (self.hf or "") and "{expert}" not in (self.native or "")
 
 
-def _compile(pattern: str) -> re.Pattern:
+def _compile(pattern: str, rule: Rule) -> re.Pattern:
     regex = re.escape(pattern)
-    for name in PLACEHOLDERS:
-        regex = regex.replace(re.escape("{" + name + "}"), f"(?P<{name}>\\d+)")
+    matches = dict(PLACEHOLDERS)
+    if rule.fused is not None:
+        matches["part"] = "|".join(re.escape(p) for p in rule.fused.parts)
+    for name, match in matches.items():
+        regex = regex.replace(re.escape("{" + name + "}"), f"(?P<{name}>{match})")
     return re.compile(regex + r"\Z")
 
 
@@ -137,32 +173,38 @@ def _natural(key: str):
 
 @dataclass(frozen=True)
 class Group:
-    """One native tensor and the HF tensors it corresponds to.
+    """Native tensors and the HF tensors they correspond to: one and one, one
+    and its experts (a stacked rule; `hf` in expert order), or the parts and
+    their concatenation (a fused rule; `native` in part order)."""
 
-    For a stacked rule `hf` lists one key per expert, in expert order.
-    """
-
-    native: str
+    native: tuple[str, ...]
     hf: tuple[str, ...]
     rule: Rule
-    native_info: TensorInfo
+    native_infos: tuple[TensorInfo, ...]
     hf_infos: tuple[TensorInfo, ...]
 
-    def to_native(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+    def to_native(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.rule.hf is None:  # native-only
-            return torch.zeros(self.native_info.shape, dtype=self.native_info.dtype)
+            return [torch.zeros(i.shape, dtype=i.dtype) for i in self.native_infos]
         if self.rule.stacked:
-            return torch.stack(tensors)
-        return self.rule.transform.from_hf(tensors[0])
+            return [torch.stack(tensors)]
+        if self.rule.fused is not None:
+            dim = self.rule.fused.dim
+            sizes = [i.shape[dim] for i in self.native_infos]
+            return list(tensors[0].split(sizes, dim))
+        return [self.rule.transform.from_hf(tensors[0])]
 
-    def to_hf(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def to_hf(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.rule.stacked:
-            return list(tensor.unbind(0))
-        return [self.rule.transform.to_hf(tensor)]
+            return list(tensors[0].unbind(0))
+        if self.rule.fused is not None:
+            return [torch.cat(tensors, self.rule.fused.dim)]
+        return [self.rule.transform.to_hf(tensors[0])]
 
     @property
     def nbytes(self) -> int:
-        return self.native_info.nbytes + sum(i.nbytes for i in self.hf_infos)
+        infos = self.native_infos + self.hf_infos
+        return sum(i.nbytes for i in infos)
 
 
 @dataclass
@@ -174,8 +216,8 @@ class KeyMap:
     _native: list[tuple[re.Pattern, Rule]] = field(init=False)
 
     def __post_init__(self):
-        self._hf = [(_compile(r.hf), r) for r in self.rules if r.hf]
-        self._native = [(_compile(r.native), r) for r in self.rules if r.native]
+        self._hf = [(_compile(r.hf, r), r) for r in self.rules if r.hf]
+        self._native = [(_compile(r.native, r), r) for r in self.rules if r.native]
 
     def match_hf(self, key: str) -> tuple[Rule, dict[str, str]] | None:
         return _match(self._hf, key)
@@ -189,9 +231,11 @@ class KeyMap:
         expected: Mapping[str, TensorInfo] | None = None,
     ) -> list[Group]:
         """Native groups from HF tensor metadata; `expected` is the native
-        model's layout (missing / unexpected / shape / dtype are checked)."""
+        model's layout (missing / unexpected / shape / dtype are checked; a
+        fused rule's part sizes come from it)."""
         problems: list[str] = []
         sources: dict[str, tuple[Rule, dict[int, str]]] = {}
+        groups = []
         for key in sorted(hf, key=_natural):
             found = self.match_hf(key)
             if found is None:
@@ -199,6 +243,10 @@ class KeyMap:
                 continue
             rule, fields = found
             if rule.native is None:
+                continue
+            if rule.fused is not None:
+                group = _split(rule, fields, key, hf[key], expected, problems)
+                groups += [group] if group else []
                 continue
             native = rule.native.format(**fields)
             expert = int(fields["expert"]) if rule.stacked else 0
@@ -219,12 +267,11 @@ class KeyMap:
             found = self.match_native(key)
             if found is not None and found[0].hf is None:
                 sources[key] = (found[0], {})
-        groups = []
         broken = set()  # reported already: not "missing" as well
         for native, (rule, experts) in sources.items():
             if rule.hf is None:
                 assert expected is not None  # native-only rules come from it
-                groups.append(Group(native, (), rule, expected[native], ()))
+                groups.append(Group((native,), (), rule, (expected[native],), ()))
                 continue
             keys = tuple(experts[e] for e in sorted(experts))
             if rule.stacked and sorted(experts) != list(range(len(experts))):
@@ -239,11 +286,17 @@ class KeyMap:
                 continue
             shape = rule.transform.native_shape(infos[0].shape)
             shape = ((len(keys),) if rule.stacked else ()) + shape
-            groups.append(
-                Group(native, keys, rule, TensorInfo(shape, infos[0].dtype), infos)
-            )
+            info = TensorInfo(shape, infos[0].dtype)
+            groups.append(Group((native,), keys, rule, (info,), infos))
+        owners: dict[str, str] = {}  # a fused part is no other rule's target
+        for g in groups:
+            for n in g.native:
+                source = g.hf[0] if g.hf else "nothing"
+                if n in owners:
+                    problems.append(f"{n!r} mapped from {owners[n]!r} and {source!r}")
+                owners[n] = source
         if expected is not None:
-            got = {g.native: g.native_info for g in groups}
+            got = {n: i for g in groups for n, i in zip(g.native, g.native_infos)}
             got |= {k: expected[k] for k in broken if k in expected}
             problems += compare_layouts(got, expected, "native")
         if problems:
@@ -259,6 +312,7 @@ class KeyMap:
         problems: list[str] = []
         groups = []
         produced: dict[str, str] = {}
+        fused: dict[str, tuple[Rule, dict[str, str]]] = {}  # HF key -> its parts
         for key in sorted(native, key=_natural):
             found = self.match_native(key)
             if found is None:
@@ -269,6 +323,10 @@ class KeyMap:
             if (rule.tied_to is not None and tied) or rule.hf is None:
                 continue
             info = native[key]
+            if rule.fused is not None:
+                part = fields.pop("part")
+                fused.setdefault(rule.hf.format(**fields), (rule, {}))[1][part] = key
+                continue
             if rule.stacked:
                 keys = tuple(
                     rule.hf.format(expert=e, **fields) for e in range(info.shape[0])
@@ -281,12 +339,70 @@ class KeyMap:
                 if k in produced:
                     problems.append(f"{k!r} produced by {produced[k]!r} and {key!r}")
                 produced[k] = key
-            groups.append(Group(key, keys, rule, info, infos))
+            groups.append(Group((key,), keys, rule, (info,), infos))
+        for hf_key, (rule, parts) in fused.items():
+            group = _fuse(rule, hf_key, parts, native, problems)
+            if group is None:
+                continue
+            if hf_key in produced:
+                problems.append(f"{hf_key!r} produced by {produced[hf_key]!r} too")
+            groups.append(group)
         if not groups and not problems:
             problems.append("no model tensors found")
         if problems:
             raise ConversionError("native tensors vs the HF mapping", problems)
         return groups
+
+
+def _split(rule, fields, key, info, expected, problems) -> Group | None:
+    """The group of a fused HF tensor: its parts' sizes from `expected`."""
+    assert rule.fused is not None and rule.native is not None
+    dim, names = rule.fused.dim, rule.fused.parts
+    natives = tuple(rule.native.format(part=p, **fields) for p in names)
+    if expected is None:
+        problems.append(f"{key}: a fused tensor is split by the model's layout")
+        return None
+    missing = [n for n in natives if n not in expected]
+    if missing:
+        problems.append(f"{key}: the model has no {missing}")
+        return None
+    infos = tuple(TensorInfo(expected[n].shape, info.dtype) for n in natives)
+    if _concatenated(infos, dim) != info.shape:
+        problems.append(
+            f"shape mismatch {key!r}: checkpoint {list(info.shape)}, model parts "
+            f"{[list(i.shape) for i in infos]} concatenated on dim {dim}"
+        )
+        return None
+    return Group(natives, (key,), rule, infos, (info,))
+
+
+def _fuse(rule, hf_key, parts, native, problems) -> Group | None:
+    """The group of native parts concatenated into `hf_key`."""
+    assert rule.fused is not None
+    missing = [p for p in rule.fused.parts if p not in parts]
+    if missing:
+        problems.append(f"{hf_key}: native parts {missing} missing")
+        return None
+    keys = tuple(parts[p] for p in rule.fused.parts)
+    infos = tuple(native[k] for k in keys)
+    shape = _concatenated(infos, rule.fused.dim)
+    if shape is None:
+        problems.append(
+            f"{hf_key}: parts {list(keys)} differ beyond dim {rule.fused.dim}"
+        )
+        return None
+    return Group(keys, (hf_key,), rule, infos, (TensorInfo(shape, infos[0].dtype),))
+
+
+def _concatenated(infos, dim: int) -> tuple[int, ...] | None:
+    """The shape of the parts concatenated on `dim` (None: they differ
+    elsewhere)."""
+    rest = {i.shape[:dim] + i.shape[dim + 1 :] for i in infos}
+    if len(rest) != 1:
+        return None
+    shape = list(infos[0].shape)
+    shape[dim] = sum(i.shape[dim] for i in infos)
+    return tuple(shape)
 
 
 def _match(compiled, key):

@@ -319,14 +319,21 @@ def _renames(
     by_hf = {g.hf: g for g in groups}
     hf = {k: i for g in groups for k, i in zip(g.hf, g.hf_infos)}
     problems, renames = [], {}
+    fused = [g.hf[0] for g in groups if g.rule.fused is not None]
+    if fused:  # no model with fused HF tensors exists in two eras yet
+        raise ConversionError(
+            f"{model} {era} -> {target}",
+            [f"{fused[0]}: fused tensors are not migrated"],
+        )
     for new in target_map.plan_from_hf(hf):
         old = by_hf.get(new.hf)
         if old is None:
-            problems.append(f"{new.native}: regrouped across the eras")
+            problems.append(f"{list(new.native)}: regrouped across the eras")
         elif old.rule.transform.name != new.rule.transform.name:
-            problems.append(f"{new.native}: the eras transform it differently")
+            problems.append(f"{list(new.native)}: the eras transform it differently")
         else:
-            renames[old.native] = (new.native, _through_hf(old, new))
+            (a,), (b,) = old.native, new.native
+            renames[a] = (b, _through_hf(old, new))
     if problems:
         raise ConversionError(f"{model} {era} -> {target}", problems)
     return renames | {k: (v, _same) for k, v in native_only.items()}
@@ -349,7 +356,7 @@ def _through_hf(old: Group, new: Group) -> Callable[[torch.Tensor], torch.Tensor
     """A tensor laid out like `old`'s -> like `new`'s. Both eras' rules carry
     the same transform (checked), so HF is only the pivot between the names:
     what one era's rule does, the other's undoes, bit for bit."""
-    return lambda tensor: new.to_native(old.to_hf(tensor))
+    return lambda tensor: new.to_native(old.to_hf([tensor]))[0]
 
 
 def _training_state(checkpoint, plan: _Plan, era: Era, target: Era):
