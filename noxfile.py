@@ -2,7 +2,8 @@
 venv), npu_without_cann (torch-npu on a host without CANN), upstream (one env
 per upstream.lock entry), matrix (every locked upstream x every parallel
 layout), matrix_ci (CI's share of it), full (every test on every locked
-upstream, then the whole matrix), docs. `uv run nox` (CI) runs lint, tests,
+upstream, then the whole matrix), transformers5 (the logits checks of models
+only transformers 5 has), docs. `uv run nox` (CI) runs lint, tests,
 dist, npu_without_cann, the upstream sessions of the non-default lock entries,
 and matrix_ci: a share of the slow tests (tests/support.py FULL_SUITE)."""
 
@@ -258,6 +259,29 @@ def full(session):
             pytest = upstream_env(session, version) / "bin" / "pytest"
             session.run(pytest, "-n", "2", env=env, external=True)
     run_matrix(session, {v: "all" for v in VERSIONS}, [])
+
+
+# The adapter tests of models only transformers 5 has (Qwen3.5, Kimi K2.5).
+TRANSFORMERS5_TESTS = ["tests/test_hf_qwen3_5.py"]
+
+
+@nox.session(venv_backend="none")
+def transformers5(session):
+    """The default upstream with transformers 5 (the project pins 4.x): the
+    logits checks of the models transformers 4 lacks."""
+    entry = next(e for e in LOCK if e["version"] == DEFAULT)
+    env = ROOT / ".nox" / "transformers5"
+    run = {"env": {"VIRTUAL_ENV": str(env)}, "external": True}
+    if not (env / "bin" / "python").exists():
+        session.run("uv", "venv", "--quiet", "--python", PYTHON, str(env), **run)
+    own = [d for d in OWN_DEPS if not d.startswith("transformers")]
+    pip = ["uv", "pip", "install", "--quiet"]
+    session.run(
+        *pip, f"torch=={entry['torch']}", f"torchtitan=={DEFAULT}", *own,
+        "transformers>=5.2,<5.25", "torchvision", **run,
+    )  # fmt: skip
+    session.run(*pip, "--no-deps", "-e", str(ROOT), **run)
+    session.run(env / "bin" / "pytest", *TRANSFORMERS5_TESTS, *session.posargs, **run)
 
 
 @nox.session(venv_backend="none")

@@ -95,6 +95,19 @@ def test_standin_kernels_recompute_what_autograd_would_keep():
         assert torch.equal(a, b), name
 
 
+def test_standin_serves_grouped_value_heads_as_fla_does():
+    """fla (and transformers 5's Qwen3.5, which calls it so) takes fewer q/k
+    heads than value heads: each q/k head serves consecutive value heads."""
+    from torchtitan_npu.overlay import fla_standin
+
+    q, k, v, g, beta = inputs()
+    wide = [torch.cat([x, x.flip(-1)], dim=2).detach() for x in (v, g, beta)]
+    got, _ = fla_standin.chunk_gated_delta_rule(q, k, *wide)
+    repeated = (x.repeat_interleave(2, dim=2) for x in (q, k))
+    want, _ = fla_standin.chunk_gated_delta_rule(*repeated, *wide)
+    assert got.shape[2] == 2 * H and torch.equal(got, want)
+
+
 def test_standin_causal_conv_restarts_at_each_document():
     """fla's varlen causal conv: upstream's own fixed-length depthwise conv
     (pad left, conv1d, silu) run on each packed document alone."""

@@ -101,7 +101,9 @@ def _hf_adapter(model: str) -> Patch:
     )
 
 
-HF_ADAPTERS = [_hf_adapter(m) for m in ("llama3", "qwen3", "deepseek_v3")]
+HF_ADAPTERS = [
+    _hf_adapter(m) for m in ("llama3", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_5")
+]
 
 
 def _architecture_builder(model: str, name: str) -> Patch:

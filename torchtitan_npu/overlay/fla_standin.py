@@ -84,6 +84,9 @@ def _once_per_process() -> None:
 
 def _delta_rule(rule: Callable[..., Any]) -> Callable[..., tuple[Any, ...]]:
     def run(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, final):
+        if q.shape[2] != v.shape[2]:  # fla's grouped values: a q/k head per group
+            group = v.shape[2] // q.shape[2]
+            q, k = (x.repeat_interleave(group, dim=2) for x in (q, k))
         out, state = rule(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             cu_seqlens=cu_seqlens, use_qk_l2norm=l2norm,

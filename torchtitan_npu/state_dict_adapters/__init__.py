@@ -10,6 +10,7 @@ from torchtitan_npu.state_dict_adapters import (
     llama3,
     qwen2,
     qwen3,
+    qwen3_5,
 )
 from torchtitan_npu.state_dict_adapters.mapping import (
     ConversionError,
@@ -27,6 +28,7 @@ ADAPTERS: dict[str, ModelAdapter] = {
         deepseek_v3.ADAPTER,
         qwen2.ADAPTER,
         gpt_oss.ADAPTER,
+        qwen3_5.ADAPTER,
     )
 }
 
@@ -50,7 +52,7 @@ def native_era(keys: Iterable[str]) -> Era | None:
     keys = list(keys)
     matched = {}
     for era in Era:
-        maps = [a.keymap(era, _NAMES_ONLY) for a in ADAPTERS.values()]
+        maps = [a.keymap(era, _NAMES_ONLY) for a in ADAPTERS.values() if era in a.eras]
         matched[era] = {k for k in keys if any(m.match_native(k) for m in maps)}
     best = max(matched.values(), key=len)
     winners = [era for era, found in matched.items() if found == best]

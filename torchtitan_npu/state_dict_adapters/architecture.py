@@ -59,11 +59,7 @@ INERT = frozenset(
 def with_defaults(model: str, hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json with the HF class defaults of the fields it omits (and
     ``rope_scaling`` of type "default", which scales nothing, as none)."""
-    adapter = get_adapter(model)
-    defaults = {
-        k: v(hf_config) if callable(v) else v for k, v in adapter.hf_defaults.items()
-    }
-    filled = {**defaults, **hf_config}
+    filled = _filled(get_adapter(model).hf_defaults, hf_config)
     scaling = filled.get("rope_scaling")
     if isinstance(scaling, Mapping) and _normalized(scaling).get("rope_type") in (
         "default",
@@ -77,36 +73,62 @@ def with_defaults(model: str, hf_config: Mapping[str, Any]) -> dict[str, Any]:
     return filled
 
 
+def _filled(defaults: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` with `defaults` where it has no value (a callable default: a
+    function of `config`); a sub-config (``text_config``) filled alike."""
+    filled = {k: v(config) if callable(v) else v for k, v in defaults.items()}
+    filled.update(config)
+    for key, sub in defaults.items():
+        if _is_sub_config(key, sub) and isinstance(config.get(key), Mapping):
+            filled[key] = _filled(sub, config[key])
+    return filled
+
+
+def _is_sub_config(key: str, value: Any) -> bool:
+    return key.endswith("_config") and isinstance(value, Mapping)
+
+
 def problems(
     model: str, source: Mapping[str, Any], native: Mapping[str, Any]
 ) -> list[str]:
     """What keeps config.json `source` from describing the native model whose
     exported config.json is `native` (both with defaults filled)."""
-    adapter = get_adapter(model)
     wrong_type = _model_type_problem(model, source)
     if wrong_type:
         return [wrong_type]
+    return _field_problems(model, source, native, "")
+
+
+def _field_problems(
+    model: str, source: Mapping[str, Any], native: Mapping[str, Any], prefix: str
+) -> list[str]:
+    adapter = get_adapter(model)
     found = []
     for key in sorted(source):
-        value = source[key]
+        value, name = source[key], prefix + key
         if key in INERT or key == "quantization_config":  # see quantization.py
+            continue
+        if _is_sub_config(key, value) and _is_sub_config(key, native.get(key)):
+            found += _field_problems(model, value, native[key], f"{name}.")
             continue
         if key in native:
             if key == "tie_word_embeddings" and value and not native[key]:
-                found.append(
-                    "config.json tie_word_embeddings=True: this torchtitan's "
-                    f"{model} builds no tied weights"
-                )
+                if not adapter.unties:
+                    found.append(
+                        "config.json tie_word_embeddings=True: this torchtitan's "
+                        f"{model} builds no tied weights"
+                    )
             elif not _same(value, native[key]):
                 found.append(
-                    f"config.json {key}={value!r}, the native model has {native[key]!r}"
+                    f"config.json {name}={value!r}, the native model has "
+                    f"{native[key]!r}"
                 )
             continue
-        neutral = adapter.neutral.get(key)
+        neutral = adapter.neutral.get(name)
         if neutral is not None and neutral(value, source):
             continue
         found.append(
-            f"config.json {key}={value!r} is not supported for {model} "
+            f"config.json {name}={value!r} is not supported for {model} "
             "(it changes the model and titan-npu cannot map it)"
         )
     return found

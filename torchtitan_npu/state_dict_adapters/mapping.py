@@ -443,7 +443,10 @@ class ModelAdapter:
     one of `model_types`; `hf_defaults` are the HF config class's values of
     fields config.json may omit (a callable: the default given config.json);
     `required` the fields it may not; each
-    `neutral[field](value, config)` says the value changes nothing; and
+    `neutral[field](value, config)` says the value changes nothing (a
+    sub-config's field as ``text_config.field``, given the sub-config);
+    `unties`: a tied checkpoint imports untied (upstream builds no tied head);
+    `eras`: the eras whose upstream has the model; and
     ``native_args[era](config, problems)`` builds the upstream args / config,
     appending what it cannot map to `problems`.
     """
@@ -459,6 +462,8 @@ class ModelAdapter:
     native_args: Mapping[Era, Callable[[Mapping, list[str]], Any]] = field(
         default_factory=dict
     )
+    unties: bool = False
+    eras: tuple[Era, ...] = tuple(Era)
 
     def keymap(self, era: Era, hf_config: Mapping) -> KeyMap:
         return KeyMap(self.rules(era, hf_config))

@@ -26,7 +26,8 @@ TESTED = {
     ("gpt_oss", "debugmodel_flex"): "CPU train step",
     ("gpt_oss", "20b"): "HF config.json",
     ("gpt_oss", "120b"): "HF config.json",
-    ("qwen3_5", "debugmodel"): "matrix (nox), CPU train (no fla)",
+    ("qwen3_5", "debugmodel"): "matrix (nox), CPU train (no fla), HF",
+    ("qwen3_5", "debugmodel_moe"): "HF",
     ("kimi_k2_7", "kimi_k2_5_debugmodel"): "matrix (nox), CPU train (text)",
 }
 

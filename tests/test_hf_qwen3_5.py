@@ -1,0 +1,217 @@
+"""Qwen3.5's HF adapter: upstream's own adapter on the same tensors (dense
+flavors bit for bit; MoE experts in the layout transformers loads, which
+upstream's is not), conversions both ways, tied releases and their MTP head,
+and transformers' logits where transformers has Qwen3.5 (5.x; ``nox -s
+transformers5``)."""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
+from safetensors.torch import save_file
+from support import requires_era
+
+from torchtitan_npu.bootstrap import activate, deactivate
+from torchtitan_npu.state_dict_adapters import architecture, convert
+from torchtitan_npu.state_dict_adapters import upstream_models as um
+from torchtitan_npu.state_dict_adapters.upstream_adapter import adapter_class
+
+pytestmark = requires_era("config_registry")
+ERA = convert.current_era()
+VOCAB = 512  # upstream's 248,320 rows cost seconds per tensor and change nothing
+
+
+@pytest.fixture(scope="module", autouse=True)
+def overlay():
+    """Upstream's Qwen3.5 imports fla: the overlay's stand-in answers."""
+    activate()
+    yield
+    deactivate()
+
+
+def small(flavor: str):
+    """The upstream flavor with a small vocabulary."""
+    args = copy.deepcopy(um.model_args("qwen3_5", flavor, ERA))
+    args.vocab_size = args.tok_embeddings.num_embeddings = VOCAB
+    args.lm_head.out_features = VOCAB
+    return args
+
+
+def random_state(args, seed: int = 0) -> dict[str, torch.Tensor]:
+    layout, _ = um.describe("qwen3_5", args, ERA)
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(i.shape, generator=g) for k, i in layout.items()}
+
+
+def both_adapters(args):
+    from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
+
+    return adapter_class("qwen3_5", ERA)(args, None), Qwen35StateDictAdapter(args, None)
+
+
+def test_dense_is_upstreams_adapter_bit_for_bit():
+    args = small("debugmodel")
+    state = random_state(args)
+    ours, upstream = both_adapters(args)
+    hf, expected = ours.to_hf(dict(state)), upstream.to_hf(dict(state))
+    assert hf.keys() == expected.keys()
+    assert all(torch.equal(hf[k], expected[k]) for k in hf)
+    back, upstream_back = ours.from_hf(dict(hf)), upstream.from_hf(dict(hf))
+    assert back.keys() == upstream_back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_moe_experts_are_in_the_layout_transformers_loads():
+    """HF Qwen3.5-MoE keeps ``gate_up_proj`` as (experts, 2 * hidden, dim):
+    native w1 and w3 stacked on dim 1, no transpose (upstream's adapter
+    transposes, and transformers refuses the shape). Every other tensor is
+    upstream's, bit for bit."""
+    args = small("debugmodel_moe")
+    state = random_state(args)
+    ours, upstream = both_adapters(args)
+    hf, expected = ours.to_hf(dict(state)), upstream.to_hf(dict(state))
+    assert hf.keys() == expected.keys()
+    native = "layers.0.moe.routed_experts.inner_experts."
+    prefix = "model.language_model.layers.0.mlp.experts."
+    w1, w3 = state[f"{native}w1_EFD"], state[f"{native}w3_EFD"]
+    assert torch.equal(hf[f"{prefix}gate_up_proj"], torch.cat([w1, w3], dim=1))
+    assert torch.equal(hf[f"{prefix}down_proj"], state[f"{native}w2_EDF"])
+    n_experts, hidden, dim = w1.shape
+    assert hf[f"{prefix}gate_up_proj"].shape == (n_experts, 2 * hidden, dim)
+    others = [k for k in hf if ".mlp.experts." not in k]
+    assert all(torch.equal(hf[k], expected[k]) for k in others)
+    back = ours.from_hf(dict(hf))
+    kept = {k for k in state if "expert_bias" not in k}  # native-only
+    assert back.keys() == kept and all(torch.equal(back[k], state[k]) for k in kept)
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe", "35B-A3B"])
+def test_config_json_names_the_flavor_back(flavor):
+    """The config.json a flavor exports resolves to that flavor (metadata
+    only), with the release's fields the native model has no use for."""
+    args = um.model_args("qwen3_5", flavor, ERA)
+    config = architecture.exported("qwen3_5", args, ERA)
+    config["text_config"] |= {"mtp_num_hidden_layers": 1, "full_attention_interval": 4}
+    config |= {"image_token_id": 248056, "tie_word_embeddings": True}
+    found, _ = architecture.resolve("qwen3_5", None, config, ERA)
+    assert found == flavor
+
+
+def test_a_field_the_flavor_lacks_is_named():
+    args = um.model_args("qwen3_5", "debugmodel", ERA)
+    config = architecture.exported("qwen3_5", args, ERA)
+    config["text_config"]["linear_num_value_heads"] = 8
+    with pytest.raises(convert.ConversionError, match="linear_num_value_heads=8"):
+        architecture.resolve("qwen3_5", "debugmodel", config, ERA)
+
+
+def test_tied_release_with_mtp_imports_untied_and_round_trips(tmp_path):
+    """A release as Qwen ships the small ones: no ``lm_head`` (tied), an MTP
+    head. The import copies the embedding into upstream's untied head and
+    leaves the MTP head out; the export writes the head, and a second import
+    gives back every tensor bit for bit."""
+    args = small("debugmodel_moe")
+    state = random_state(args)
+    hf = adapter_class("qwen3_5", ERA)(args, None).to_hf(dict(state))
+    del hf["lm_head.weight"]
+    embed = hf["model.language_model.embed_tokens.weight"]
+    hf["mtp.fc.weight"] = torch.zeros(4, 4)
+    hf["mtp.layers.0.input_layernorm.weight"] = torch.zeros(4)
+    release = tmp_path / "release"
+    release.mkdir()
+    save_file({k: v.contiguous() for k, v in hf.items()}, release / "model.safetensors")
+    config = architecture.exported("qwen3_5", args, ERA) | {"tie_word_embeddings": True}
+    (release / "config.json").write_text(json.dumps(config))
+
+    convert.from_hf(release, tmp_path / "dcp", "qwen3_5", args=args, progress=False)
+    imported = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(imported, checkpoint_id=str(tmp_path / "dcp"))
+    assert torch.equal(imported["lm_head.weight"], embed)
+    for key in state:
+        if key != "lm_head.weight" and "expert_bias" not in key:
+            assert torch.equal(imported[key], state[key]), key
+
+    convert.to_hf(
+        tmp_path / "dcp", tmp_path / "hf", "qwen3_5", args=args, progress=False
+    )
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["tie_word_embeddings"] is False
+    convert.from_hf(
+        tmp_path / "hf", tmp_path / "again", "qwen3_5", args=args, progress=False
+    )
+    again = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(again, checkpoint_id=str(tmp_path / "again"))
+    assert all(torch.equal(again[k], imported[k]) for k in state)
+
+
+def test_patch_embedding_is_transformers_conv3d():
+    """The native Linear over flattened patches is HF's Conv3d weight
+    reshaped: (out, channels, frames, height, width)."""
+    args = small("debugmodel")
+    state = random_state(args)
+    hf = adapter_class("qwen3_5", ERA)(args, None).to_hf(dict(state))
+    v = args.vision_encoder
+    conv = hf["model.visual.patch_embed.proj.weight"]
+    assert conv.shape == (
+        v.dim,
+        v.in_channels,
+        v.temporal_patch_size,
+        v.patch_size,
+        v.patch_size,
+    )
+    assert torch.equal(conv.flatten(1), state["vision_encoder.patch_embed.weight"])
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers, "Qwen3_5ForConditionalGeneration"),
+    reason="transformers has no Qwen3.5 before 5.x (nox -s transformers5)",
+)
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
+def test_logits_match_transformers(flavor):
+    """The same weights in transformers' Qwen3.5 give the native logits on a
+    text batch (its grouped linear-attention heads through the fla stand-in
+    too)."""
+    from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
+
+    args = small(flavor)
+    backend = get_spmd_backend()
+    set_spmd_backend("dtensor")  # the trainer's choice on one device
+    try:
+        torch.manual_seed(0)
+        model = args.build()
+        with torch.no_grad():
+            model.init_weights(buffer_device=torch.device("cpu"))
+            for p in model.parameters():  # zero-initialised norms count too
+                if not p.any():
+                    p.normal_(0, 0.1)
+        model.eval()
+        config = architecture.exported("qwen3_5", args, ERA)
+        kind = config["architectures"][0]
+        hf_config = getattr(
+            transformers, kind.replace("ForConditionalGeneration", "Config")
+        )(
+            text_config=config["text_config"],
+            vision_config=config["vision_config"],
+            tie_word_embeddings=False,
+        )
+        hf = getattr(transformers, kind)(hf_config).eval()
+        weights = adapter_class("qwen3_5", ERA)(args, None).to_hf(model.state_dict())
+        hf.load_state_dict(weights, strict=True)
+        tokens = torch.randint(
+            0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1)
+        )
+        positions = torch.arange(48).expand_as(tokens)
+        with torch.no_grad():
+            ours = model(
+                tokens,
+                attention_masks=model.get_attention_masks(positions),
+                positions=positions,
+            )
+            theirs = hf(input_ids=tokens).logits
+    finally:
+        set_spmd_backend(backend)
+    tolerance = 1e-5 if flavor == "debugmodel" else 3e-4  # MoE: routing sums
+    assert (ours - theirs).abs().max() <= tolerance * theirs.abs().max()
