@@ -262,7 +262,7 @@ def full(session):
 
 
 # The adapter tests of models only transformers 5 has (Qwen3.5, Kimi K2.5).
-TRANSFORMERS5_TESTS = ["tests/test_hf_qwen3_5.py"]
+TRANSFORMERS5_TESTS = ["tests/test_hf_multimodal.py"]
 
 
 @nox.session(venv_backend="none")

@@ -102,7 +102,8 @@ def _hf_adapter(model: str) -> Patch:
 
 
 HF_ADAPTERS = [
-    _hf_adapter(m) for m in ("llama3", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_5")
+    _hf_adapter(m)
+    for m in ("llama3", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_5", "kimi_k2_7")
 ]
 
 

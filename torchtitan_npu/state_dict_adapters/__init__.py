@@ -7,6 +7,7 @@ from torchtitan_npu.compat.era import Era
 from torchtitan_npu.state_dict_adapters import (
     deepseek_v3,
     gpt_oss,
+    kimi_k2_7,
     llama3,
     qwen2,
     qwen3,
@@ -29,6 +30,7 @@ ADAPTERS: dict[str, ModelAdapter] = {
         qwen2.ADAPTER,
         gpt_oss.ADAPTER,
         qwen3_5.ADAPTER,
+        kimi_k2_7.ADAPTER,
     )
 }
 

@@ -28,7 +28,7 @@ TESTED = {
     ("gpt_oss", "120b"): "HF config.json",
     ("qwen3_5", "debugmodel"): "matrix (nox), CPU train (no fla), HF",
     ("qwen3_5", "debugmodel_moe"): "HF",
-    ("kimi_k2_7", "kimi_k2_5_debugmodel"): "matrix (nox), CPU train (text)",
+    ("kimi_k2_7", "kimi_k2_5_debugmodel"): "matrix (nox), CPU train (text), HF",
 }
 
 

@@ -1,7 +1,8 @@
-"""Qwen3.5's HF adapter: upstream's own adapter on the same tensors (dense
-flavors bit for bit; MoE experts in the layout transformers loads, which
-upstream's is not), conversions both ways, tied releases and their MTP head,
-and transformers' logits where transformers has Qwen3.5 (5.x; ``nox -s
+"""The HF adapters of upstream's multimodal models, qwen3_5 and kimi_k2_7:
+upstream's own adapters on the same tensors (bit for bit, but Qwen3.5-MoE's
+experts, which take the layout transformers loads and upstream's adapter
+does not), conversions both ways, tied releases and their MTP head, and
+transformers' logits where transformers has the model (5.x; ``nox -s
 transformers5``)."""
 
 import copy
@@ -15,7 +16,7 @@ from safetensors.torch import save_file
 from support import requires_era
 
 from torchtitan_npu.bootstrap import activate, deactivate
-from torchtitan_npu.state_dict_adapters import architecture, convert
+from torchtitan_npu.state_dict_adapters import architecture, convert, get_adapter
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 from torchtitan_npu.state_dict_adapters.upstream_adapter import adapter_class
 
@@ -215,3 +216,123 @@ def test_logits_match_transformers(flavor):
         set_spmd_backend(backend)
     tolerance = 1e-5 if flavor == "debugmodel" else 3e-4  # MoE: routing sums
     assert (ours - theirs).abs().max() <= tolerance * theirs.abs().max()
+
+
+# -- kimi_k2_7 (Kimi K2.5: MoonViT + DeepSeek-V3) ------------------------------
+
+
+def kimi_args(flavor: str = "debugmodel"):
+    return copy.deepcopy(um.model_args("kimi_k2_7", flavor, ERA))
+
+
+def kimi_state(args, seed: int = 0) -> dict[str, torch.Tensor]:
+    layout, _ = um.describe("kimi_k2_7", args, ERA)
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(i.shape, generator=g) for k, i in layout.items()}
+
+
+def test_kimi_is_upstreams_adapter_bit_for_bit():
+    from torchtitan.models.kimi_k2_7.state_dict_adapter import (
+        KimiK25StateDictAdapter,
+    )
+
+    args = kimi_args()
+    state = kimi_state(args)
+    ours = adapter_class("kimi_k2_7", ERA)(args, None)
+    upstream = KimiK25StateDictAdapter(args, None)
+    hf, expected = ours.to_hf(dict(state)), upstream.to_hf(dict(state))
+    assert hf.keys() == expected.keys()
+    assert all(torch.equal(hf[k], expected[k]) for k in hf)
+    back, upstream_back = ours.from_hf(dict(hf)), upstream.from_hf(dict(hf))
+    assert back.keys() == upstream_back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    assert all(torch.equal(upstream_back[k], state[k]) for k in state)
+
+
+def test_kimi_vl_projector_spelling_imports_too():
+    """Kimi-VL names the projector ``multi_modal_projector.linear_1/2``, K2.5
+    ``mm_projector.proj.0/2``: both import; the export is K2.5's."""
+    args = kimi_args()
+    state = kimi_state(args)
+    ours = adapter_class("kimi_k2_7", ERA)(args, None)
+    hf = ours.to_hf(dict(state))
+    spelled = {
+        k.replace("mm_projector.", "multi_modal_projector.")
+        .replace("proj.0", "linear_1")
+        .replace("proj.2", "linear_2"): v
+        for k, v in hf.items()
+    }
+    assert spelled.keys() != hf.keys()
+    back = ours.from_hf(spelled)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_kimi_text_only_flavor_is_a_deepseek_checkpoint():
+    """Moonlight has no vision tower: its checkpoint is DeepSeek-V3's (on the
+    meta device: the full 16B layout, planned both ways)."""
+    args = kimi_args("moonlight-16B-A3B")
+    layout, tied = um.describe("kimi_k2_7", args, ERA)
+    adapter = get_adapter("kimi_k2_7")
+    config = adapter.hf_config(args, ERA, layout)
+    assert config["model_type"] == "deepseek_v3"
+    keymap = adapter.keymap(ERA, config)
+    hf = {
+        k: i
+        for g in keymap.plan_to_hf(layout, tied=tied)
+        for k, i in zip(g.hf, g.hf_infos)
+    }
+    assert "model.embed_tokens.weight" in hf and not any(
+        k.startswith("language_model.") for k in hf
+    )
+    back = keymap.plan_from_hf(hf, expected=layout)
+    assert {n for g in back for n in g.native} == set(layout)
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers, "Kimi_K25ForConditionalGeneration"),
+    reason="transformers has no Kimi K2.5 before 5.x (nox -s transformers5)",
+)
+def test_kimi_text_logits_match_transformers(tmp_path):
+    """The export, loaded by transformers' own from_pretrained (which renames
+    the release's keys itself), gives the native logits on a text batch. The
+    debug flavor routes as HF's DeepSeek-V3 does: sigmoid, normalized top-k,
+    eps 1e-6 (upstream's uses softmax and 1e-5)."""
+    from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
+
+    args = kimi_args()
+    args.norm.eps = 1e-6
+    for layer in args.layers:
+        layer.attention_norm.eps = layer.ffn_norm.eps = 1e-6
+        layer.attention.kv_norm.eps = 1e-6
+        if layer.moe:
+            layer.moe.router.score_func = "sigmoid"
+            layer.moe.router.route_norm = True
+    backend = get_spmd_backend()
+    set_spmd_backend("dtensor")  # the trainer's choice on one device
+    try:
+        torch.manual_seed(0)
+        model = args.build()
+        with torch.no_grad():
+            model.init_weights(buffer_device=torch.device("cpu"))
+        model.eval()
+        hf = adapter_class("kimi_k2_7", ERA)(args, None).to_hf(model.state_dict())
+        save_file(
+            {k: v.contiguous() for k, v in hf.items()}, tmp_path / "model.safetensors"
+        )
+        config = architecture.exported("kimi_k2_7", args, ERA)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        loaded = transformers.AutoModelForImageTextToText.from_pretrained(
+            tmp_path, dtype=torch.float32
+        ).eval()
+        tokens = torch.randint(
+            0, 2000, (2, 32), generator=torch.Generator().manual_seed(1)
+        )
+        positions = torch.arange(32).expand_as(tokens)
+        with torch.no_grad():
+            ours = model(tokens, attention_masks=model.get_attention_masks(positions))
+            theirs = loaded(input_ids=tokens).logits
+    finally:
+        set_spmd_backend(backend)
+    # upstream's GroupedExperts compute in bf16 (as deepseek_v3's, see
+    # docs/hf_checkpoints.md [1])
+    assert (ours - theirs).abs().max() <= 1e-3 * theirs.abs().max()
