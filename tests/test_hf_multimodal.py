@@ -166,18 +166,109 @@ def test_patch_embedding_is_transformers_conv3d():
     assert torch.equal(conv.flatten(1), state["vision_encoder.patch_embed.weight"])
 
 
+def own_size() -> dict:
+    """A Qwen3.5-MoE config.json of a size no flavor has (layer pattern,
+    heads, experts, eps, vision tower)."""
+    config = architecture.exported("qwen3_5", small("debugmodel_moe"), ERA)
+    config["text_config"].update(
+        vocab_size=2048,  # the embedded tokenizer's: it trains
+        hidden_size=128,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+        rms_norm_eps=1e-5,
+    )
+    config["vision_config"].update(
+        depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128
+    )
+    return config
+
+
+def write_own_size(directory, seed: int = 0):
+    """An HF directory of `own_size` (sharded safetensors + index + config.json,
+    as to-hf writes them) and the native state it holds."""
+    config = own_size()
+    args = architecture.derive("qwen3_5", config, ERA)
+    state = random_state(args, seed)
+    dcp.save(state, checkpoint_id=str(directory.parent / "own-dcp"))
+    convert.to_hf(
+        directory.parent / "own-dcp", directory, "qwen3_5", args=args,
+        max_shard_size="1MB", progress=False,
+    )  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    return args, state
+
+
+def test_a_size_no_flavor_has_is_derived_and_imports_exactly(tmp_path):
+    """config.json of its own size: no registered flavor matches, so the
+    flavor is derived (``hf``) with upstream's builders; the import gives back
+    every tensor bit for bit."""
+    args, state = write_own_size(tmp_path / "hf")
+    result = convert.from_hf(
+        tmp_path / "hf", tmp_path / "dcp", "qwen3_5", progress=False
+    )
+    assert result.flavor == architecture.HF_FLAVOR
+    imported = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(imported, checkpoint_id=str(tmp_path / "dcp"))
+    for key in state:
+        if "expert_bias" not in key:  # native-only: zeros on import
+            assert torch.equal(imported[key], state[key]), key
+    layers = args.layers
+    assert [layer.attention is not None for layer in layers] == [False, True] * 2
+    assert layers[1].attention.n_heads == 2 and layers[0].moe.num_experts == 4
+
+
+def test_a_layer_pattern_upstream_cannot_build_is_named():
+    config = own_size()
+    config["text_config"]["layer_types"] = ["full_attention"] + ["linear_attention"] * 3
+    with pytest.raises(convert.ConversionError, match="every N-th layer full"):
+        architecture.derive("qwen3_5", config, ERA)
+
+
+def test_own_size_trains_from_its_hf_directory(launcher, tmp_path):
+    """``--model.flavor hf --model.hf_assets_path DIR``: the derived Qwen3.5-MoE
+    loads DIR's weights through the adapter in training and the loss falls."""
+    from support import assert_loss_falls, warm_train
+
+    from torchtitan_npu.assets import ensure_default_assets
+
+    hf_dir = tmp_path / "hf"
+    write_own_size(hf_dir)
+    for file in ensure_default_assets().tokenizer_path.iterdir():
+        (hf_dir / file.name).write_bytes(file.read_bytes())
+    scalars = warm_train(
+        launcher, tmp_path / "run", "--model.flavor", "hf", "--model.hf_assets_path",
+        str(hf_dir), "--parallelism.expert_parallel_degree", "1",
+        "--optimizer.lr", "3e-3", steps=4,
+    )  # fmt: skip
+    assert_loss_falls(scalars)
+    assert f"Loading the checkpoint from {hf_dir}" in (tmp_path / "run.log").read_text()
+
+
 @pytest.mark.skipif(
     not hasattr(transformers, "Qwen3_5ForConditionalGeneration"),
     reason="transformers has no Qwen3.5 before 5.x (nox -s transformers5)",
 )
-@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe", "own size"])
 def test_logits_match_transformers(flavor):
     """The same weights in transformers' Qwen3.5 give the native logits on a
     text batch (its grouped linear-attention heads through the fla stand-in
     too)."""
     from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
 
-    args = small(flavor)
+    if flavor == "own size":
+        args = architecture.derive("qwen3_5", own_size(), ERA)
+    else:
+        args = small(flavor)
     backend = get_spmd_backend()
     set_spmd_backend("dtensor")  # the trainer's choice on one device
     try:

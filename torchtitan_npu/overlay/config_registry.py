@@ -134,6 +134,9 @@ ARCHITECTURE_BUILDERS = [
     _architecture_builder("deepseek_v3", "_output_linear_init"),
     _architecture_builder("gpt_oss", "_build_gptoss_layers"),
     _architecture_builder("gpt_oss", "_make_gptoss_attn_config"),
+    _architecture_builder("qwen3_5", "_build_qwen35_layers"),
+    _architecture_builder("qwen3_5", "_build_qwen35_moe_layers"),
+    _architecture_builder("qwen3_5", "_qwen35_vision_encoder_config"),
 ]
 
 

@@ -213,6 +213,156 @@ def hf_config(args: Any, era: Era, layout: Mapping[str, TensorInfo]) -> dict[str
     )
 
 
+# -- config.json -> native (architecture.derive) ------------------------------
+
+TEXT_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "layer_types",
+    "rope_parameters",
+)
+MOE_REQUIRED = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+VISION_REQUIRED = (
+    "depth",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "patch_size",
+    "out_hidden_size",
+    "num_position_embeddings",
+)
+
+
+def _missing(hf: Mapping[str, Any], moe: bool) -> list[str]:
+    text, vision = hf["text_config"], hf["vision_config"]
+    wanted = [("text_config", text, TEXT_REQUIRED + (MOE_REQUIRED if moe else ()))]
+    wanted += [("vision_config", vision, VISION_REQUIRED)]
+    if not moe:
+        wanted += [("text_config", text, ("intermediate_size",))]
+    return [
+        f"config.json has no '{name}.{k}'"
+        for name, sub, keys in wanted
+        for k in keys
+        if k not in sub
+    ]
+
+
+def _interval(types: list[str], problems: list[str]) -> int:
+    """Upstream's layers: every `interval`-th is full attention, the rest
+    linear; config.json's ``layer_types`` must be that pattern."""
+    interval = next((i + 1 for i, t in enumerate(types) if t == "full_attention"), 0)
+    if interval == 0 or not _interval_matches(interval, {"layer_types": types}):
+        problems.append(
+            f"config.json text_config.layer_types {types}: upstream's qwen3_5 makes "
+            "every N-th layer full attention and the others linear"
+        )
+    return interval
+
+
+def _mrope(text: Mapping[str, Any], problems: list[str]) -> Any:
+    from torchtitan.models.qwen3_5.rope import MRoPE
+
+    rope = dict(text["rope_parameters"])
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    if kind != "default":
+        problems.append(
+            f"config.json text_config.rope_parameters.rope_type {kind!r}: "
+            "upstream's qwen3_5 has no RoPE scaling"
+        )
+        return None
+    rotary_dim = round(text["head_dim"] * rope.get("partial_rotary_factor", 1.0))
+    return MRoPE.Config(
+        dim=rotary_dim,
+        max_seq_len=text.get("max_position_embeddings", 262144),
+        theta=float(rope["rope_theta"]),
+        mrope_section=list(rope.get("mrope_section", [11, 11, 10])),
+    )
+
+
+def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
+    """Qwen35Model.Config: upstream's layers and vision encoder (its inits)
+    with config.json's shapes."""
+    import torchtitan.models.qwen3_5 as upstream
+    from torchtitan.models.qwen3_5.model import OffsetRMSNorm, RMSNormGated
+
+    from torchtitan_npu.state_dict_adapters.architecture import template
+
+    moe = hf.get("model_type") == "qwen3_5_moe"
+    problems += _missing(hf, moe)
+    if problems:
+        return None
+    text, vision = hf["text_config"], hf["vision_config"]
+    interval = _interval(text["layer_types"], problems)
+    rope = _mrope(text, problems)
+    if problems:
+        return None
+    config = template(
+        "qwen3_5", Era.CONFIG_REGISTRY, lambda c: decoder.is_moe(c) == moe
+    )
+    dim, vocab = text["hidden_size"], text["vocab_size"]
+    config.dim, config.vocab_size = dim, vocab
+    config.tok_embeddings.num_embeddings = vocab
+    config.tok_embeddings.embedding_dim = dim
+    config.norm.dim = dim
+    config.lm_head.in_features, config.lm_head.out_features = dim, vocab
+    shape = dict(
+        n_layers=text["num_hidden_layers"],
+        dim=dim,
+        n_heads=text["num_attention_heads"],
+        n_kv_heads=text["num_key_value_heads"],
+        head_dim=text["head_dim"],
+        rotary_dim=rope.dim,
+        rope=rope,
+        n_key_heads=text["linear_num_key_heads"],
+        n_value_heads=text["linear_num_value_heads"],
+        key_head_dim=text["linear_key_head_dim"],
+        value_head_dim=text["linear_value_head_dim"],
+        full_attention_interval=interval,
+        attn_backend="flex",  # model_registry's default
+    )
+    if moe:
+        config.layers = upstream._build_qwen35_moe_layers(
+            **shape,
+            moe_hidden_dim=text["moe_intermediate_size"],
+            num_experts=text["num_experts"],
+            top_k=text["num_experts_per_tok"],
+            shared_expert_hidden_dim=text["shared_expert_intermediate_size"],
+            moe_comm_backend="standard",
+        )
+    else:
+        config.layers = upstream._build_qwen35_layers(
+            **shape, hidden_dim=text["intermediate_size"]
+        )
+    config.vision_encoder = upstream._qwen35_vision_encoder_config(
+        dim=vision["hidden_size"],
+        ffn_dim=vision["intermediate_size"],
+        num_layers=vision["depth"],
+        num_heads=vision["num_heads"],
+        patch_size=vision["patch_size"],
+        temporal_patch_size=vision["temporal_patch_size"],
+        spatial_merge_size=vision["spatial_merge_size"],
+        out_hidden_size=vision["out_hidden_size"],
+        num_position_embeddings=vision["num_position_embeddings"],
+        in_channels=vision["in_channels"],
+    )
+    for kind in (OffsetRMSNorm.Config, RMSNormGated.Config):
+        for _, norm, _, _ in config.traverse(kind):
+            norm.eps = text["rms_norm_eps"]
+    return config
+
+
 def _interval_matches(value: Any, text: Mapping[str, Any]) -> bool:
     """``full_attention_interval``: unread when ``layer_types`` is given."""
     types = text.get("layer_types") or []
@@ -258,6 +408,7 @@ ADAPTER = ModelAdapter(
         "vision_start_token_id": lambda value, hf: True,
         "vision_end_token_id": lambda value, hf: True,
     },
+    native_args={Era.CONFIG_REGISTRY: _config_registry_args},
     unties=True,
     eras=(Era.CONFIG_REGISTRY,),  # no 0.2.x torchtitan has qwen3_5
 )
