@@ -28,6 +28,11 @@ BAD_INPUTS = [
     ),
     (["--parallelism.tensor_parallel_degree", "0"], "must be at least 1"),
     (
+        ["--parallelism.expert_parallel_degree", "2"],
+        "expert_parallel_degree = 2 (set by the flavor's recipe unless you set it) "
+        "needs dp_shard x cp x tp (1 in this launch",
+    ),
+    (
         ["--training.dataset", "c4_test", "--training.dataset_path", "/no/such/data"],
         "training.dataset_path: dataset path /no/such/data does not exist",
     ),

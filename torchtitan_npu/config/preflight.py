@@ -191,7 +191,7 @@ def check(config: dict[str, Any], *, world_size: int | None, launch: str) -> Non
     version = activation.upstream.installed.version
     check_loadable(config, world_size, activation.context.era, version)
     try:
-        era_config(activation.context.era).translate(
+        translated = era_config(activation.context.era).translate(
             config, version=version, device_type=activation.context.device_type
         )
     except ConfigError:
@@ -205,3 +205,41 @@ def check(config: dict[str, Any], *, world_size: int | None, launch: str) -> Non
             f"era {activation.context.era}'s ({type(e).__name__}: {e}); install "
             "a tested upstream (titan-npu --version lists the lock)"
         ) from e
+    check_expert_parallel(_parallelism(translated), world_size, launch)
+
+
+_EXPERT_DEGREES = {"expert_parallel_degree": 1, "expert_tensor_parallel_degree": 1}
+
+
+def _parallelism(translated: Any) -> dict[str, int]:
+    """The degrees of a translated config: 0.3.x's Trainer.Config (the recipe's
+    values included), 0.2.x's TOML dict (the keys set; upstream's defaults)."""
+    names = {**_DEGREES, **_EXPERT_DEGREES}
+    if isinstance(translated, dict):
+        return {**names, **translated.get("parallelism", {})}
+    return {k: getattr(translated.parallelism, k, v) for k, v in names.items()}
+
+
+def check_expert_parallel(
+    degrees: dict[str, int], world_size: int | None, launch: str
+) -> None:
+    """Expert parallelism (which a flavor's recipe may set: qwen3_5's
+    ``debugmodel_moe`` has 4) borrows its ranks from dp_shard x cp x tp."""
+    ep, etp = (
+        degrees["expert_parallel_degree"],
+        degrees["expert_tensor_parallel_degree"],
+    )
+    if world_size is None or ep == 1:
+        return
+    cp_tp = degrees["context_parallel_degree"] * degrees["tensor_parallel_degree"]
+    shard = degrees["data_parallel_shard_degree"]
+    if shard == -1:
+        shard = world_size // _fixed({k: degrees[k] for k in _DEGREES})
+    borrowed = shard * cp_tp
+    if borrowed % (ep * etp):
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree = {ep} (set by the flavor's recipe "
+            f"unless you set it) needs dp_shard x cp x tp ({borrowed} in this launch: "
+            f"{launch}) to be a multiple of {ep * etp}; pass "
+            "--parallelism.expert_parallel_degree 1 or launch more processes"
+        )
