@@ -212,10 +212,8 @@ LAYOUTS += [Layout("hf_finetune", 2, {**_degrees(dp_shard=2), **HF_FLAVOR})]
 # gloo (measured: kimi_ep fails in the token dispatch's all-to-all).
 _ERAS = ("config_registry", "trainspec")
 _NEW_IN_030 = "the model is new in upstream 0.3.0"
-_MOE_ON_022 = (
-    "not yet measured on 0.2.x (its MoE runs on CPU since the overlay's "
-    "moe_integer_histc; the rows are 0.3.0's flavors)"
-)
+_NOT_MEASURED = "not yet measured on this release (0.2.2 is: the era's newest)"
+_BEFORE_022 = dict.fromkeys(("0.2.0", "0.2.1"), _NOT_MEASURED)
 _KIMI_TP = (
     "upstream's Kimi optimizer (DistMuon) requires tensor_parallel_degree=1 "
     "(TP can give _StridedShard parameters it does not support)"
@@ -227,22 +225,44 @@ _GPT_OSS_TP = (
 # gpt_oss's experts (GEMMs, SwiGLU, biases) are bf16 in upstream: FSDP parity
 # measured 2.0e-4 (loss) / 1.4e-3 (grad_norm) over 4 steps.
 _BF16_EXPERTS_RTOL = (1e-3, 5e-3)
+_SDPA_CPU_TP = (
+    "0.2.2's qwen3 hands TP-sharded DTensors to SDPA, whose CPU flash kernel has "
+    "no DTensor sharding strategy in torch 2.13 (measured 2026-12-02: "
+    "NotImplementedError at step 1); CUDA/NPU kernels have one"
+)
 _EP_ON_GLOO = (
     "gloo's all_to_all needs equal splits and upstream's expert-parallel token "
     "dispatch sends uneven ones ('ProcessGroupGloo::alltoall: invalid tensor "
     "size'): ep needs NCCL/HCCL"
 )
 OTHER_MODELS = {
-    # row prefix: (model, flavor, MoE, unsupported, tp unsupported, parity rtol)
+    # row prefix: (model, flavor, MoE, unsupported, tp unsupported (everywhere,
+    # or per era / version), parity rtol)
     "gpt_oss": (
         "gpt_oss",
         "debugmodel",
         True,
-        {"trainspec": _MOE_ON_022},
+        _BEFORE_022,  # 0.2.1's is an experiment, 0.2.0 has none
         _GPT_OSS_TP,
         _BF16_EXPERTS_RTOL,
     ),
-    "qwen3_moe": ("qwen3", "moe_debug", True, {"trainspec": _MOE_ON_022}, None, None),
+    # the model registry's name, on both eras (0.3.x's config function: moe_debug)
+    "qwen3_moe": (
+        "qwen3",
+        "debugmodel_moe",
+        True,
+        _BEFORE_022,
+        {"0.2.2": _SDPA_CPU_TP},
+        None,
+    ),
+    "llama4": (
+        "llama4",
+        "debugmodel",
+        True,
+        {"config_registry": "upstream 0.3.0 has no llama4", **_BEFORE_022},
+        None,
+        None,
+    ),
     "qwen3_5": ("qwen3_5", "debugmodel", False, {"trainspec": _NEW_IN_030}, None, None),
     "kimi": (
         "kimi_k2_7",
@@ -255,7 +275,11 @@ OTHER_MODELS = {
 }
 for prefix, (model, flavor, moe, unsupported, no_tp, rtol) in OTHER_MODELS.items():
     chosen = {"model.name": model, "model.flavor": flavor}
-    tp_unsupported = dict.fromkeys(_ERAS, no_tp) if no_tp else unsupported
+    tp_unsupported = dict(unsupported)
+    if no_tp:
+        tp_unsupported |= (
+            no_tp if isinstance(no_tp, dict) else dict.fromkeys(_ERAS, no_tp)
+        )
     LAYOUTS += [
         Layout(f"{prefix}_single", 1, {**_degrees(), **chosen}, unsupported),
         Layout(

@@ -21,6 +21,8 @@ TESTED = {
     ("qwen2", "debugmodel"): "matrix",
     ("qwen3", "debugmodel"): "converters, HF",
     ("qwen3", "moe_debug"): "HF, matrix (nox)",
+    ("qwen3", "debugmodel_moe"): "HF, matrix (nox)",  # 0.2.x's name of it
+    ("llama4", "debugmodel"): "matrix (nox)",
     ("deepseek_v3", "debugmodel"): "converters, HF",
     ("gpt_oss", "debugmodel"): "matrix (nox), CPU train",
     ("gpt_oss", "debugmodel_flex"): "CPU train step",
