@@ -31,6 +31,12 @@ def model_args(model: str, era: str, flavor: str = FLAVOR):
         )
         args.norm_eps = 1e-6
         return args
+    return as_hf_deepseek(args)
+
+
+def as_hf_deepseek(args):
+    """A 0.3.x DeepSeek-V3 config (or one built on it: kimi_k2_7) routed as
+    HF's DeepseekV3: sigmoid scores, normalized top-k, eps 1e-6 (in place)."""
     args.norm.eps = 1e-6
     for layer in args.layers:
         layer.attention_norm.eps = layer.ffn_norm.eps = 1e-6

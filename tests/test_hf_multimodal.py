@@ -5,6 +5,7 @@ does not), conversions both ways, tied releases and their MTP head, and
 transformers' logits where transformers has the model (5.x; ``nox -s
 transformers5``)."""
 
+import contextlib
 import copy
 import json
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers
+from hf_support import as_hf_deepseek
 from safetensors.torch import save_file
 from support import requires_era
 
@@ -51,6 +53,28 @@ def both_adapters(args):
     from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
 
     return adapter_class("qwen3_5", ERA)(args, None), Qwen35StateDictAdapter(args, None)
+
+
+@contextlib.contextmanager
+def one_device():
+    """Upstream's SPMD backend as the trainer sets it on one device."""
+    from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
+
+    backend = get_spmd_backend()
+    set_spmd_backend("dtensor")
+    try:
+        yield
+    finally:
+        set_spmd_backend(backend)
+
+
+def initialised(args) -> torch.nn.Module:
+    """The model of `args` on CPU, initialised as upstream does, in eval mode."""
+    torch.manual_seed(0)
+    model = args.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model.eval()
 
 
 def test_dense_is_upstreams_adapter_bit_for_bit():
@@ -263,23 +287,16 @@ def test_logits_match_transformers(flavor):
     """The same weights in transformers' Qwen3.5 give the native logits on a
     text batch (its grouped linear-attention heads through the fla stand-in
     too)."""
-    from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
-
     if flavor == "own size":
         args = architecture.derive("qwen3_5", own_size(), ERA)
     else:
         args = small(flavor)
-    backend = get_spmd_backend()
-    set_spmd_backend("dtensor")  # the trainer's choice on one device
-    try:
-        torch.manual_seed(0)
-        model = args.build()
+    with one_device():
+        model = initialised(args)
         with torch.no_grad():
-            model.init_weights(buffer_device=torch.device("cpu"))
             for p in model.parameters():  # zero-initialised norms count too
                 if not p.any():
                     p.normal_(0, 0.1)
-        model.eval()
         config = architecture.exported("qwen3_5", args, ERA)
         kind = config["architectures"][0]
         hf_config = getattr(
@@ -303,8 +320,6 @@ def test_logits_match_transformers(flavor):
                 positions=positions,
             )
             theirs = hf(input_ids=tokens).logits
-    finally:
-        set_spmd_backend(backend)
     tolerance = 1e-5 if flavor == "debugmodel" else 3e-4  # MoE: routing sums
     assert (ours - theirs).abs().max() <= tolerance * theirs.abs().max()
 
@@ -388,24 +403,9 @@ def test_kimi_text_logits_match_transformers(tmp_path):
     the release's keys itself), gives the native logits on a text batch. The
     debug flavor routes as HF's DeepSeek-V3 does: sigmoid, normalized top-k,
     eps 1e-6 (upstream's uses softmax and 1e-5)."""
-    from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
-
-    args = kimi_args()
-    args.norm.eps = 1e-6
-    for layer in args.layers:
-        layer.attention_norm.eps = layer.ffn_norm.eps = 1e-6
-        layer.attention.kv_norm.eps = 1e-6
-        if layer.moe:
-            layer.moe.router.score_func = "sigmoid"
-            layer.moe.router.route_norm = True
-    backend = get_spmd_backend()
-    set_spmd_backend("dtensor")  # the trainer's choice on one device
-    try:
-        torch.manual_seed(0)
-        model = args.build()
-        with torch.no_grad():
-            model.init_weights(buffer_device=torch.device("cpu"))
-        model.eval()
+    args = as_hf_deepseek(kimi_args())
+    with one_device():
+        model = initialised(args)
         hf = adapter_class("kimi_k2_7", ERA)(args, None).to_hf(model.state_dict())
         save_file(
             {k: v.contiguous() for k, v in hf.items()}, tmp_path / "model.safetensors"
@@ -422,8 +422,6 @@ def test_kimi_text_logits_match_transformers(tmp_path):
         with torch.no_grad():
             ours = model(tokens, attention_masks=model.get_attention_masks(positions))
             theirs = loaded(input_ids=tokens).logits
-    finally:
-        set_spmd_backend(backend)
     # upstream's GroupedExperts compute in bf16 (as deepseek_v3's, see
     # docs/hf_checkpoints.md [1])
     assert (ours - theirs).abs().max() <= 1e-3 * theirs.abs().max()

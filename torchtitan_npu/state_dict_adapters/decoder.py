@@ -278,7 +278,10 @@ def retarget(model: str, hf: Mapping[str, Any], *, moe: bool = False) -> Any:
     config.dim, config.vocab_size = dim, vocab
     config.tok_embeddings.num_embeddings = vocab
     config.tok_embeddings.embedding_dim = dim
-    config.norm.normalized_shape = dim
+    if hasattr(config.norm, "normalized_shape"):
+        config.norm.normalized_shape = dim
+    else:  # qwen3_5's OffsetRMSNorm
+        config.norm.dim = dim
     config.lm_head.in_features, config.lm_head.out_features = dim, vocab
     return config
 

@@ -297,8 +297,6 @@ def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
     import torchtitan.models.qwen3_5 as upstream
     from torchtitan.models.qwen3_5.model import OffsetRMSNorm, RMSNormGated
 
-    from torchtitan_npu.state_dict_adapters.architecture import template
-
     moe = hf.get("model_type") == "qwen3_5_moe"
     problems += _missing(hf, moe)
     if problems:
@@ -308,15 +306,9 @@ def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
     rope = _mrope(text, problems)
     if problems:
         return None
-    config = template(
-        "qwen3_5", Era.CONFIG_REGISTRY, lambda c: decoder.is_moe(c) == moe
-    )
-    dim, vocab = text["hidden_size"], text["vocab_size"]
-    config.dim, config.vocab_size = dim, vocab
-    config.tok_embeddings.num_embeddings = vocab
-    config.tok_embeddings.embedding_dim = dim
-    config.norm.dim = dim
-    config.lm_head.in_features, config.lm_head.out_features = dim, vocab
+    untied = {**text, "tie_word_embeddings": False}  # upstream ties nothing
+    config = decoder.retarget("qwen3_5", untied, moe=moe)
+    dim = text["hidden_size"]
     shape = dict(
         n_layers=text["num_hidden_layers"],
         dim=dim,
