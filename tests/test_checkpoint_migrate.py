@@ -6,7 +6,13 @@ The real upgrade (0.2.2 trains, 0.3.0 resumes) needs both upstreams: it is
 the matrix's `upgrade` cell (tests/matrix/test_upgrade.py)."""
 
 import json
+import os
 import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -204,7 +210,8 @@ def _qkv(param: str) -> list[str]:
 @pytest.mark.parametrize(
     "case",
     ["its own era", "unknown version", "other era's version", "OUT exists",
-     "missing", "unfinished save", "no run config", "another flavor"],
+     "missing", "unfinished save", "truncated shard", "no run config",
+     "another flavor"],
 )  # fmt: skip
 def test_bad_input_is_one_line(case, other_era_run, tmp_path, capsys):
     dump, _ = other_era_run
@@ -216,6 +223,7 @@ def test_bad_input_is_one_line(case, other_era_run, tmp_path, capsys):
         "OUT exists": "exists and is not empty",
         "missing": "does not exist",
         "unfinished save": "an unfinished save",
+        "truncated shard": "truncated",
         "no run config": "no run config",
         "another flavor": "another model or flavor",
     }[case]
@@ -241,12 +249,14 @@ def test_bad_input_is_one_line(case, other_era_run, tmp_path, capsys):
         source = tmp_path / "cut"
         source.mkdir()
         (source / "__0_0.distcp").write_bytes(b"x")
-    elif case in ("no run config", "another flavor"):
-        import shutil
-
+    elif case in ("truncated shard", "no run config", "another flavor"):
         copy = tmp_path / "run" / "checkpoint" / "step-2"
         shutil.copytree(source, copy)
         source = copy
+        if case == "truncated shard":
+            shutil.copy(dump / RUN_CONFIG, tmp_path / "run" / RUN_CONFIG)
+            shard = max(copy.glob("*.distcp"), key=lambda f: f.stat().st_size)
+            os.truncate(shard, shard.stat().st_size // 2)
         if case == "another flavor":
             other = {"model": {"name": MODEL, "flavor": "8B"}}
             (tmp_path / "run" / RUN_CONFIG).write_text(json.dumps(other))
@@ -257,3 +267,35 @@ def test_bad_input_is_one_line(case, other_era_run, tmp_path, capsys):
     assert expected in lines[0], lines[0]
     assert case == "OUT exists" or not out.exists()
     assert not list(tmp_path.glob(".out.partial-*"))
+
+
+@pytest.mark.e2e
+@requires_newest_of_era("one kill per era")
+def test_a_killed_migration_leaves_no_out(other_era_run, tmp_path):
+    """SIGKILL while writing: OUT never appears (it is a rename at the end);
+    the next migration into OUT removes the killed one's temp dir."""
+    dump, _ = other_era_run
+    source, out = dump / "checkpoint" / f"step-{STEP}", tmp_path / "out"
+    command = [sys.executable, "-m", "torchtitan_npu.cli", "checkpoint", "migrate",
+               str(source), str(out), "--to", VERSION]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TITAN_NPU_NO_BOOTSTRAP"}
+    for _ in range(3):  # on a loaded machine it may finish before the kill
+        process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+        partial = tmp_path / f".out.partial-{process.pid}"
+        deadline = time.monotonic() + 180
+        while process.poll() is None and time.monotonic() < deadline:
+            if partial.is_dir() and any(partial.iterdir()):
+                process.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.005)
+        process.communicate(timeout=60)
+        if process.returncode == -signal.SIGKILL:
+            break
+        assert process.returncode == 0, "the migration failed"
+        shutil.rmtree(out)
+    else:
+        pytest.fail("every migration finished before its kill")
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == [partial.name]
+    assert main(["checkpoint", "migrate", str(source), str(out), "--to", VERSION]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
