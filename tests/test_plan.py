@@ -99,6 +99,36 @@ def test_sharding_divides_the_model_state():
         assert abs(sharded[part] - value / 4) <= 0.01 * value, part
 
 
+MOE = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+EP_2 = ["--parallelism.expert_parallel_degree", "2"]
+
+
+def test_expert_parallel_routes_evenly_and_divides_the_model_state():
+    """deepseek_v3 over FSDP 4 x EP 2: experts split over EP and their FSDP,
+    the rest over FSDP 4, so each rank holds a quarter of the model state;
+    the token counts the all-to-all needs are the plan's even routing, which
+    training never gets (on-request overlay records)."""
+    from torchtitan_npu.bootstrap import activate
+    from torchtitan_npu.compat import resolve_upstream
+    from torchtitan_npu.compat.era import Era
+    from torchtitan_npu.overlay import OVERLAY
+    from torchtitan_npu.plan.estimate import estimate
+
+    if resolve_upstream().era != Era.CONFIG_REGISTRY:
+        with pytest.raises(ValueError, match="ep 2 cannot be planned yet"):
+            estimate(resolve(None, MOE + EP_2), 4, "cpu")
+        return
+    activate()
+    routing = [r for r in OVERLAY.status if r.patch.name.startswith("plan_")]
+    assert len(routing) == 2 and {r.state for r in routing} == {"on request"}
+    single = estimate(resolve(None, MOE), 1, "cpu").worst
+    planned = estimate(resolve(None, MOE + EP_2), 4, "cpu").worst
+    for part, value in single.model_state.items():
+        assert planned.model_state[part] * 4 == value, part
+    assert planned.peak > sum(planned.model_state.values()) - planned.parts["gradients"]
+    assert sum(planned.parts.values()) == planned.peak
+
+
 @pytest.mark.e2e
 @requires_default_upstream("the ranking is era-independent (CI time)")
 def test_search_ranks_fits_then_misses(tmp_path):

@@ -240,6 +240,53 @@ FLA_CALL_SITES = [
     _fla_call_site("_causal_conv1d_varlen"),
 ]
 
+_DISPATCHER = "torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher"
+_PLAN_ROUTING = dict(
+    eras=(Era.CONFIG_REGISTRY,),
+    upstream_ref=(
+        "none upstream: a plan on fake tensors has no token counts to read "
+        "(plan/routing.py)"
+    ),
+    remove_when="upstream's EP dispatch sizes its all-to-all without .tolist()",
+    on_request=True,  # by `titan-npu plan` only, never in training
+)
+
+
+def _apply_routed_tokens(target: Target, ctx: PatchContext) -> list[Change]:
+    from torchtitan_npu.plan.routing import counting_routed_tokens
+
+    return [Change(target.owner, target.attr, counting_routed_tokens(target.obj))]
+
+
+def _apply_even_splits(target: Target, ctx: PatchContext) -> list[Change]:
+    from torchtitan_npu.plan.routing import even_token_count_exchange
+
+    return [Change(target.owner, target.attr, even_token_count_exchange)]
+
+
+# Expert parallelism in a plan: the routed-token count, then even splits.
+PLAN_ROUTING = [
+    Patch(
+        name="plan_routed_tokens",
+        target=f"{_DISPATCHER}.dispatch",
+        kind="wrap",
+        reason="a plan's even EP splits need the tokens x top-k each rank routes",
+        apply=_apply_routed_tokens,
+        **_PLAN_ROUTING,
+    ),
+    Patch(
+        name="plan_even_splits",
+        target=f"{_DISPATCHER}._sync_token_count_exchange",
+        kind="replace",
+        reason=(
+            "fake tensors have no token counts for the EP all-to-all's splits "
+            "('aten._local_scalar_dense' at .tolist()): a plan routes evenly"
+        ),
+        apply=_apply_even_splits,
+        **_PLAN_ROUTING,
+    ),
+]
+
 PATCHES = [
     EAGER_FLEX_ATTENTION,
     VARLEN_ATTENTION_REFERENCE,
@@ -248,4 +295,5 @@ PATCHES = [
     *FLA_CALL_SITES,
     *HF_ADAPTERS,
     *ARCHITECTURE_BUILDERS,
+    *PLAN_ROUTING,
 ]

@@ -12,6 +12,11 @@ from torchtitan.trainer import Trainer
 
 from torchtitan_npu.plan.estimate import materialize
 
+# Overlay records applied while a plan is computed: expert parallelism routes
+# evenly (plan/routing.py). No layout is unplannable beyond estimate's.
+SIMULATION_RECORDS = ("plan_routed_tokens", "plan_even_splits")
+UNPLANNABLE: dict[str, str] = {}
+
 
 def upstream_config(config: dict[str, Any], version: str) -> Any:
     """The ``Trainer.Config`` `train` would hand over (translated for CPU, where

@@ -9,6 +9,7 @@ of upstream's forward_backward_step, gradient clipping and optimizer step.
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -160,7 +161,10 @@ def run_steps(trainer: Any, era_plan: Any, target: str) -> RankMemory:
         memory.track_external(*trainer.model_parts)  # gradients FSDP assigned
         trainer.optimizers.step()
 
-    with memory, attention_for(target):
+    with memory, attention_for(target), warnings.catch_warnings():
+        # Upstream's MoE router asks CPU autocast for float32, which it cannot
+        # do, every layer; the plan computes nothing, so it cannot matter.
+        warnings.filterwarnings("ignore", "In CPU autocast", UserWarning)
         step()
         # The first step creates the optimizer states; on fake tensors it also
         # counts DTensor's sharding propagation (global shapes, under the same
@@ -215,8 +219,12 @@ def estimate(config: dict[str, Any], world_size: int, target: str) -> Estimate:
     from torchtitan_npu.bootstrap import activate
     from torchtitan_npu.compat import resolve_upstream
 
+    from torchtitan_npu.overlay import OVERLAY
+
     activate()  # the overlay trains on CPU: planning runs there
     plan = era_plan()
+    for record in plan.SIMULATION_RECORDS:
+        OVERLAY.apply_on_request(record)
     upstream = plan.upstream_config(config, resolve_upstream().installed.version)
     start = time.perf_counter()
     ranks, dims = [], None
@@ -224,16 +232,30 @@ def estimate(config: dict[str, Any], world_size: int, target: str) -> Estimate:
     for rank in [stage * (world_size // pp) for stage in range(pp)]:
         with fake_world(world_size, rank):
             dims = plan.parallel_dims(upstream, world_size)
-            refuse_unplannable(dims)
+            refuse_unplannable(dims, {**UNPLANNABLE, **plan.UNPLANNABLE})
             dims.build_mesh()
             # Small real tensors (device meshes) become fake where they meet.
             fake = FakeTensorMode(allow_non_fake_inputs=True)
-            trainer = plan.build(upstream, dims, torch.device("cpu"), fake)
-            with fake:
-                ranks.append(run_steps(trainer, plan, target))
+            try:
+                trainer = plan.build(upstream, dims, torch.device("cpu"), fake)
+                with fake:
+                    ranks.append(run_steps(trainer, plan, target))
+            except PlanError:
+                raise
+            except Exception as e:
+                raise PlanError(
+                    f"{layout_name(degrees(dims))} could not be simulated "
+                    f"({summary(e)}); please report it with the command line"
+                ) from e
             del trainer
     assert dims is not None
     return Estimate(degrees(dims), ranks, time.perf_counter() - start)
+
+
+def summary(error: BaseException) -> str:
+    """An exception as one line: its type and its message's first line."""
+    first = str(error).splitlines()[0][:200] if str(error) else ""
+    return f"{type(error).__name__}: {first}"
 
 
 def estimate_apart(config: dict[str, Any], world_size: int, target: str) -> Estimate:
@@ -266,8 +288,7 @@ def _estimate_into(
     try:
         send.send(("ok", estimate(config, world_size, target)))
     except Exception as e:  # noqa: BLE001 - reported by the parent
-        first = str(e).splitlines()[0][:200] if str(e) else ""
-        send.send(("error", f"{type(e).__name__}: {first}"))
+        send.send(("error", str(e) if isinstance(e, PlanError) else summary(e)))
 
 
 def measure(config: dict[str, Any], device: torch.device) -> RankMemory:
@@ -285,7 +306,8 @@ def measure(config: dict[str, Any], device: torch.device) -> RankMemory:
     return run_steps(trainer, plan, device.type)
 
 
-# Layouts the fake process group cannot simulate yet, and why.
+# Layouts the fake process group cannot simulate yet on any era, and why
+# (plan/<era>.py's UNPLANNABLE adds the era's own).
 UNPLANNABLE = {
     "pp": "its stages learn their activation shapes from each other over the "
     "process group at the first step",
@@ -293,8 +315,8 @@ UNPLANNABLE = {
 }
 
 
-def refuse_unplannable(dims: Any) -> None:
-    for name, why in UNPLANNABLE.items():
+def refuse_unplannable(dims: Any, unplannable: dict[str, str]) -> None:
+    for name, why in unplannable.items():
         if getattr(dims, name) > 1:
             raise PlanError(
                 f"{name} {getattr(dims, name)} cannot be planned yet ({why}); "
@@ -305,3 +327,8 @@ def refuse_unplannable(dims: Any) -> None:
 def degrees(dims: Any) -> dict[str, int]:
     names = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
     return {n: getattr(dims, n) for n in names}
+
+
+def layout_name(degrees: dict[str, int]) -> str:
+    used = [f"{k} {v}" for k, v in degrees.items() if v > 1]
+    return " x ".join(used) or "single device"

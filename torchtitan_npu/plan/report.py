@@ -3,7 +3,7 @@ and a stacked bar per layout (PNG)."""
 
 from pathlib import Path
 
-from torchtitan_npu.plan.estimate import PARTS, Estimate, RankMemory
+from torchtitan_npu.plan.estimate import PARTS, Estimate, RankMemory, layout_name
 from torchtitan_npu.plan.search import Candidate
 from torchtitan_npu.tools.table import format_table
 
@@ -12,11 +12,6 @@ GIB = 1024**3
 
 def size(value: int) -> str:
     return f"{value / GIB:.2f} GiB" if value >= GIB / 10 else f"{value / 2**20:.1f} MiB"
-
-
-def layout_name(degrees: dict[str, int]) -> str:
-    used = [f"{k} {v}" for k, v in degrees.items() if v > 1]
-    return " x ".join(used) or "single device"
 
 
 def verdict(peak: int, memory: int | None) -> str:

@@ -15,6 +15,14 @@ from torchtitan.train import Trainer
 
 from torchtitan_npu.plan.estimate import materialize
 
+# Overlay records applied while a plan is computed (none on 0.2.x), and the
+# layouts 0.2.x cannot be planned in beyond estimate.UNPLANNABLE.
+SIMULATION_RECORDS: tuple[str, ...] = ()
+UNPLANNABLE = {
+    "ep": "0.2.x's expert-parallel dispatch reads its token counts as values, "
+    "which fake tensors do not have",
+}
+
 
 def upstream_config(config: dict[str, Any], version: str) -> Any:
     """The JobConfig `train` would hand over, read by upstream's own loader."""

@@ -1,0 +1,54 @@
+"""Expert-parallel token routing in a plan.
+
+Under expert parallelism a rank learns how many tokens it sends to and
+receives from each other rank by exchanging token counts, then reads them
+as Python ints (``.tolist()``) to size the all-to-all. Fake tensors have no
+values to read, so a plan routes each rank's tokens evenly: every rank
+sends and receives its own routed-token count (tokens x top-k), split as
+evenly as the counts allow. That is the balanced load MoE training aims for
+(auxiliary losses, expert-bias balancing); an imbalanced step needs more on
+the ranks that receive more. Used by the overlay's on-request records
+``plan_routed_tokens`` and ``plan_even_splits``, applied only while a plan
+is computed.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# The dispatcher attribute the routed-token count is kept in for one step.
+ROUTED = "_titan_npu_planned_routed_tokens"
+
+
+def counting_routed_tokens(dispatch: Callable[..., Any]) -> Callable[..., Any]:
+    """``dispatch`` that first notes how many (token, expert) pairs it routes."""
+
+    def planned_dispatch(
+        self: Any,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_expert_ids_TK: torch.Tensor,
+        *args: Any,
+    ) -> Any:
+        setattr(self, ROUTED, topk_expert_ids_TK.numel())
+        return dispatch(self, x_TD, topk_scores_TK, topk_expert_ids_TK, *args)
+
+    return planned_dispatch
+
+
+def even_splits(routed: int, ranks: int) -> list[int]:
+    """``routed`` tokens over ``ranks``, as evenly as integers allow."""
+    return [routed // ranks + (i < routed % ranks) for i in range(ranks)]
+
+
+def even_token_count_exchange(
+    self: Any,
+    num_local_tokens_per_expert_E: torch.Tensor,
+    num_global_tokens_per_local_expert_EP_e: torch.Tensor,
+    ep_size: int,
+) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Upstream's ``_sync_token_count_exchange`` with even splits: this rank
+    sends its routed tokens evenly and receives as many."""
+    splits = even_splits(getattr(self, ROUTED), ep_size)
+    return num_global_tokens_per_local_expert_EP_e.reshape(-1), splits, list(splits)
