@@ -1,12 +1,13 @@
 """How good `titan-npu plan` is, on this machine (docs/plan.md has results).
 
-    python benchmarks/plan.py accuracy [--layouts single,fsdp,...]
+    python benchmarks/plan.py accuracy [--layouts single,fsdp,...] [--model M:F]
     python benchmarks/plan.py real-sizes
 
-accuracy: each matrix layout of the debug model, estimated (fake tensors,
-fake process group) and then run for real on CPU under torchrun (gloo) with
-the same memory tracker: predicted vs measured per-rank peak and model
-state. Run it with each era's python (e.g. .nox/upstream-0.2.2/bin/python).
+accuracy: each matrix layout of a debug model (llama3's by default, or
+--model NAME:FLAVOR), estimated (fake tensors, fake process group) and then
+run for real on CPU under torchrun (gloo) with the same memory tracker:
+predicted vs measured per-rank peak and model state. Run it with each era's
+python (e.g. .nox/upstream-0.2.2/bin/python).
 
 real-sizes: wall time and peak RSS of `titan-npu plan` for published sizes
 (a subprocess each, so its RSS is its own).
@@ -58,19 +59,19 @@ def mib(value: int) -> str:
     return f"{value / 2**20:.2f}"
 
 
-def accuracy(layouts: list[str]) -> None:
+def accuracy(layouts: list[str], model: list[str]) -> None:
     from torchtitan_npu.compat import resolve_upstream
     from torchtitan_npu.config import resolve
     from torchtitan_npu.plan.estimate import estimate_apart
 
     version = resolve_upstream().installed.version
-    print(f"torchtitan {version}")
+    print(f"torchtitan {version} {' '.join(model)}")
     print("| layout | ranks | predicted peak MiB | measured peak MiB | error "
           "| model state (params/grads/opt MiB) | equal |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for name in layouts:
         nproc, overrides = LAYOUTS[name]
-        config = resolve(None, overrides)
+        config = resolve(None, model + overrides)
         predicted = estimate_apart(config, nproc, "cpu").worst
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "config.json").write_text(json.dumps(config))
@@ -107,9 +108,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["accuracy", "real-sizes"])
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--model", help="NAME:FLAVOR (default: llama3:debugmodel)")
     args = parser.parse_args()
     if args.what == "accuracy":
-        accuracy(args.layouts.split(","))
+        name, _, flavor = (args.model or "llama3:debugmodel").partition(":")
+        model = ["--model.name", name, "--model.flavor", flavor or "debugmodel"]
+        accuracy(args.layouts.split(","), model)
     else:
         real_sizes()
 

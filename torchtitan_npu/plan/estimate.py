@@ -218,7 +218,6 @@ def estimate(config: dict[str, Any], world_size: int, target: str) -> Estimate:
 
     from torchtitan_npu.bootstrap import activate
     from torchtitan_npu.compat import resolve_upstream
-
     from torchtitan_npu.overlay import OVERLAY
 
     activate()  # the overlay trains on CPU: planning runs there
