@@ -3,7 +3,7 @@ model trains): the paths that failed on CPU before a patch filled them."""
 
 import pytest
 import torch
-from support import requires_era
+from support import full_suite_only, requires_era
 
 from torchtitan_npu.bootstrap import activate, deactivate
 
@@ -207,3 +207,35 @@ def test_qwen3_5_trains_on_cpu_and_packed_documents_stay_apart(overlay):
             assert p.grad is not None and torch.isfinite(p.grad).all()
     finally:
         set_spmd_backend(backend)
+
+
+@requires_era("config_registry")
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "record",
+    ["applied", pytest.param("disabled", marks=full_suite_only("shows the bug"))],
+)
+def test_gpt_oss_tp_experts_add_their_bias_once(record, tmp_path):
+    """Under TP 2 the two ranks' partial expert outputs sum to the one-device
+    experts (bf16 rounding apart); without `gpt_oss_tp_expert_bias` each rank
+    adds the whole output bias (real torchrun, gloo)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "error.json"
+    env = {**os.environ, "TITAN_NPU_DEVICE": "cpu"}
+    if record == "disabled":
+        env["TITAN_NPU_DISABLE_PATCHES"] = "gpt_oss_tp_expert_bias"
+    script = Path(__file__).parent / "tp_experts.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", str(script), str(out)]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    error = json.loads(out.read_text())["relative_error"]
+    if record == "applied":
+        assert error < 1.5e-2, error  # bf16 partial sums (eps 7.8e-3)
+    else:
+        assert error > 5e-2, error

@@ -212,23 +212,18 @@ LAYOUTS += [Layout("hf_finetune", 2, {**_degrees(dp_shard=2), **HF_FLAVOR})]
 # gloo (measured: kimi_ep fails in the token dispatch's all-to-all).
 _ERAS = ("config_registry", "trainspec")
 _NEW_IN_030 = "the model is new in upstream 0.3.0"
-_NOT_MEASURED = "not yet measured on this release (0.2.2 is: the era's newest)"
-_BEFORE_022 = dict.fromkeys(("0.2.0", "0.2.1"), _NOT_MEASURED)
 _KIMI_TP = (
     "upstream's Kimi optimizer (DistMuon) requires tensor_parallel_degree=1 "
     "(TP can give _StridedShard parameters it does not support)"
 )
-_GPT_OSS_TP = (
-    "parity not established: TP's step-1 loss is 0.34% off the single-device "
-    "run (measured 2026-12-02, far above bf16 noise: FSDP's is 2e-4); unexplained"
-)
 # gpt_oss's experts (GEMMs, SwiGLU, biases) are bf16 in upstream: FSDP parity
-# measured 2.0e-4 (loss) / 1.4e-3 (grad_norm) over 4 steps.
+# measured 2.0e-4 (loss) / 1.4e-3 (grad_norm) over 4 steps; TP's partial sums
+# are bf16 too.
 _BF16_EXPERTS_RTOL = (1e-3, 5e-3)
 _SDPA_CPU_TP = (
-    "0.2.2's qwen3 hands TP-sharded DTensors to SDPA, whose CPU flash kernel has "
-    "no DTensor sharding strategy in torch 2.13 (measured 2026-12-02: "
-    "NotImplementedError at step 1); CUDA/NPU kernels have one"
+    "0.2.x's qwen3 hands TP-sharded DTensors to SDPA, whose CPU flash kernel has "
+    "no DTensor sharding strategy in torch 2.13 (measured on 0.2.2 2026-12-02, "
+    "0.2.1 2026-12-03: NotImplementedError at step 1); CUDA/NPU kernels have one"
 )
 _EP_ON_GLOO = (
     "gloo's all_to_all needs equal splits and upstream's expert-parallel token "
@@ -242,8 +237,12 @@ OTHER_MODELS = {
         "gpt_oss",
         "debugmodel",
         True,
-        _BEFORE_022,  # 0.2.1's is an experiment, 0.2.0 has none
-        _GPT_OSS_TP,
+        {
+            "0.2.1": "0.2.1's gpt_oss is an experiment whose RoPE ignores its YaRN "
+            "arguments: titan-npu refuses it by name",
+            "0.2.0": "upstream 0.2.0 has no gpt_oss",
+        },
+        None,
         _BF16_EXPERTS_RTOL,
     ),
     # the model registry's name, on both eras (0.3.x's config function: moe_debug)
@@ -251,15 +250,15 @@ OTHER_MODELS = {
         "qwen3",
         "debugmodel_moe",
         True,
-        _BEFORE_022,
-        {"0.2.2": _SDPA_CPU_TP},
+        {},
+        {"trainspec": _SDPA_CPU_TP},
         None,
     ),
     "llama4": (
         "llama4",
         "debugmodel",
         True,
-        {"config_registry": "upstream 0.3.0 has no llama4", **_BEFORE_022},
+        {"config_registry": "upstream 0.3.0 has no llama4"},
         None,
         None,
     ),
@@ -289,7 +288,13 @@ for prefix, (model, flavor, moe, unsupported, no_tp, rtol) in OTHER_MODELS.items
             unsupported,
             parity_rtol=rtol,
         ),
-        Layout(f"{prefix}_tp", 2, {**_degrees(tp=2), **chosen}, tp_unsupported),
+        Layout(
+            f"{prefix}_tp",
+            2,
+            {**_degrees(tp=2), **chosen},
+            tp_unsupported,
+            parity_rtol=rtol,
+        ),
     ]
     if moe:
         ep = {**_degrees(dp_shard=2), "parallelism.expert_parallel_degree": 2}

@@ -1,5 +1,7 @@
 """Patches of the config-registry era (torchtitan 0.3.x)."""
 
+from typing import Any
+
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.overlay.common import (
     eager_flex_attention,
@@ -168,6 +170,54 @@ GPT_OSS_EXPERTS_DTYPE = Patch(
     apply=_apply_experts_in_input_dtype,
 )
 
+
+def _apply_tp_expert_bias(target: Target, ctx: PatchContext) -> list[Change]:
+    upstream_function = target.obj
+
+    class ScaleBiasForward:
+        """Upstream's Function, given the experts' TP degree where the
+        forward cannot see it: under the spmd_types backend the experts run
+        in a local region whose parameters are plain local shards, so
+        GptOssGroupedExperts.forward finds no DTensor mesh and passes 1."""
+
+        @staticmethod
+        def apply(bias: Any, tp_degree: int, dtype: Any) -> Any:
+            from torchtitan.distributed.spmd_types import spmd_mesh_size
+            from torchtitan.distributed.utils import get_spmd_backend
+
+            # TP shards the routed experts only without expert parallelism
+            # (upstream's moe_sharding), as its own typecheck_forward reads it.
+            if (
+                tp_degree == 1
+                and get_spmd_backend() == "spmd_types"
+                and spmd_mesh_size("ep") == 1
+            ):
+                tp_degree = spmd_mesh_size("tp")
+            return upstream_function.apply(bias, tp_degree, dtype)
+
+    return [Change(target.owner, target.attr, ScaleBiasForward)]
+
+
+GPT_OSS_TP_EXPERT_BIAS = Patch(
+    name="gpt_oss_tp_expert_bias",
+    target="torchtitan.models.gpt_oss.moe:ScaleBiasForward",
+    kind="wrap",
+    reason=(
+        "under TP the experts' output bias must be divided by the TP degree "
+        "before the partial sums are reduced; upstream reads the degree from the "
+        "parameters' DTensor mesh, which the spmd_types local region has "
+        "removed, so every TP rank added the whole bias (measured: the experts' "
+        "output 11% off one device, the TP run's step-1 loss 0.34% off)."
+    ),
+    eras=(Era.CONFIG_REGISTRY,),
+    upstream_ref=(
+        "none filed (found by the matrix's gpt_oss_tp cell): "
+        "GptOssGroupedExperts.forward's isinstance(self.mlp1_weight_EGD, DTensor)"
+    ),
+    remove_when="GptOssGroupedExperts.forward scales the bias by the mesh's TP size",
+    apply=_apply_tp_expert_bias,
+)
+
 VARLEN_ATTENTION_REFERENCE = Patch(
     name="varlen_attention_reference",
     target="torchtitan.models.common.attention:varlen_attn",
@@ -291,6 +341,7 @@ PATCHES = [
     EAGER_FLEX_ATTENTION,
     VARLEN_ATTENTION_REFERENCE,
     GPT_OSS_EXPERTS_DTYPE,
+    GPT_OSS_TP_EXPERT_BIAS,
     QWEN3_5_TEXT_ONLY_BATCHES,
     *FLA_CALL_SITES,
     *HF_ADAPTERS,
