@@ -32,6 +32,28 @@ def test_flavors_have_the_real_qwen2_5_shapes(flavor):
     assert nparams == HF_PARAMS[flavor] and flops > 6 * (nparams // 2)
 
 
+def test_a_tied_flavor_stays_tied_after_the_meta_device_build():
+    """to_empty gives the embedding and the head tensors of their own; the
+    initialization ties them again (on 0.2.x it did not: the head kept
+    to_empty's uninitialized memory and trained apart)."""
+    activate()
+    try:
+        args = um.model_args("qwen2", "debugmodel_tied", ERA)
+        model = um.build_meta("qwen2", args, ERA)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights(buffer_device=torch.device("cpu"))
+    finally:
+        deactivate()
+    head = model.output if ERA == "trainspec" else model.lm_head
+    assert head.weight is model.tok_embeddings.weight
+    assert torch.isfinite(head.weight).all()
+    names = {n for n, _ in model.named_parameters()}
+    assert "tok_embeddings.weight" in names and len(names) == len(
+        list(model.parameters())
+    )
+
+
 def test_registered_through_the_overlay_on_this_era():
     activate()
     try:

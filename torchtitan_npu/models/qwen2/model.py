@@ -128,6 +128,11 @@ class Qwen2Model(nn.Module):
 
     def init_weights(self, buffer_device: torch.device | None = None, **unused) -> None:
         """Initialize everything (after meta-device build + sharding)."""
+        head = getattr(self, self.HEAD)
+        if self.model_args.tie_embeddings and None not in (head, self.tok_embeddings):
+            # to_empty after the meta-device build gave each module its own
+            # tensor: tie them again before initializing
+            head.weight = self.tok_embeddings.weight
         device = buffer_device or self.rope_cache.device
         with torch.device(device):
             self.rope_cache = rope_cache(self.model_args, device)
@@ -139,7 +144,6 @@ class Qwen2Model(nn.Module):
             layer.init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
-        head = getattr(self, self.HEAD)
         if head is not None and not self.model_args.tie_embeddings:
             bound = self.model_args.dim**-0.5
             nn.init.trunc_normal_(head.weight, std=bound, a=-3 * bound, b=3 * bound)
