@@ -83,7 +83,7 @@ def build(
         )
     else:
         trainer.model_parts = [spec.parallelize_fn(model, **common)]
-    materialize(trainer.model_parts, device, tensors)
+    materialize(trainer.model_parts, device, tensors, tie_weights)
     _attach_lm_head(trainer)
     with tensors:
         trainer.optimizers = config.optimizer.build(model_parts=trainer.model_parts)
@@ -92,6 +92,12 @@ def build(
     )
     trainer.fwd_bwd_fn = trainer._forward_backward_body
     return trainer
+
+
+def tie_weights(part: Any) -> None:
+    """What upstream's Decoder.init_states does before initializing."""
+    if getattr(part, "enable_weight_tying", False):
+        part.tok_embeddings.weight = part.lm_head.weight
 
 
 def seq_len(trainer: Any) -> int:

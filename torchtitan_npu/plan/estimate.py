@@ -10,7 +10,7 @@ of upstream's forward_backward_step, gradient clipping and optimizer step.
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -61,17 +61,24 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
 
 
 def materialize(
-    parts: list[Any], device: torch.device, tensors: contextlib.AbstractContextManager
+    parts: list[Any],
+    device: torch.device,
+    tensors: contextlib.AbstractContextManager,
+    tie_weights: Callable[[Any], None],
 ) -> None:
     """Model parts built on meta, allocated on ``device`` under ``tensors``
     (fake or real) and set to train; real weights initialized (fake ones
-    would compute nothing, and initializers ask for values)."""
+    would compute nothing, and initializers ask for values). ``to_empty``
+    unties tied embeddings, which upstream's init_weights ties again first:
+    on fake tensors ``tie_weights`` (the era's) does that part."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with tensors:
         for part in parts:
             part.to_empty(device=device)
-            if not isinstance(tensors, FakeTensorMode):
+            if isinstance(tensors, FakeTensorMode):
+                tie_weights(part)
+            else:
                 with torch.no_grad():
                     part.init_weights(buffer_device=None)
             part.train()

@@ -114,7 +114,7 @@ def build(
         )
     else:
         trainer.model_parts = [spec.parallelize_fn(model, dims, job)]
-    materialize(trainer.model_parts, device, tensors)
+    materialize(trainer.model_parts, device, tensors, tie_weights)
     with tensors:
         trainer.optimizers = spec.build_optimizers_fn(
             trainer.model_parts, job.optimizer, dims
@@ -131,6 +131,12 @@ def build(
         dims, job.training.mixed_precision_param, device.type
     )
     return trainer
+
+
+def tie_weights(part: Any) -> None:
+    """What upstream's models' init_weights do before initializing."""
+    if getattr(part, "enable_weight_tying", False):
+        part.output.weight = part.tok_embeddings.weight
 
 
 def seq_len(trainer: Any) -> int:
