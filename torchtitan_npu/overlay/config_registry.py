@@ -175,9 +175,9 @@ def _apply_tp_expert_bias(target: Target, ctx: PatchContext) -> list[Change]:
     upstream_function = target.obj
 
     class ScaleBiasForward:
-        """Upstream's Function, given the experts' TP degree where the
-        forward cannot see it: under the spmd_types backend the experts run
-        in a local region whose parameters are plain local shards, so
+        """Upstream's Function, except where the experts' forward cannot see
+        the TP degree: under the spmd_types backend they run in a local
+        region whose parameters are plain local shards, so
         GptOssGroupedExperts.forward finds no DTensor mesh and passes 1."""
 
         @staticmethod
@@ -191,8 +191,12 @@ def _apply_tp_expert_bias(target: Target, ctx: PatchContext) -> list[Change]:
                 tp_degree == 1
                 and get_spmd_backend() == "spmd_types"
                 and spmd_mesh_size("ep") == 1
+                and spmd_mesh_size("tp") > 1
             ):
-                tp_degree = spmd_mesh_size("tp")
+                # The region sums the ranks' partial outputs, and the ranks'
+                # gradients of this replicated bias as well: each rank's
+                # share is 1/tp both ways.
+                return (bias / spmd_mesh_size("tp")).to(dtype)
             return upstream_function.apply(bias, tp_degree, dtype)
 
     return [Change(target.owner, target.attr, ScaleBiasForward)]
@@ -207,7 +211,9 @@ GPT_OSS_TP_EXPERT_BIAS = Patch(
         "before the partial sums are reduced; upstream reads the degree from the "
         "parameters' DTensor mesh, which the spmd_types local region has "
         "removed, so every TP rank added the whole bias (measured: the experts' "
-        "output 11% off one device, the TP run's step-1 loss 0.34% off)."
+        "output 11% off one device, the TP run's step-1 loss 0.34% off); the "
+        "ranks' bias gradients are summed too, so they are divided as well "
+        "(upstream passes them unscaled: the bias gradient was tp times too large)."
     ),
     eras=(Era.CONFIG_REGISTRY,),
     upstream_ref=(
