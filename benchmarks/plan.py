@@ -52,6 +52,15 @@ REAL_SIZES = {
         "--training.mixed_precision_param", "bfloat16",
         "--activation_checkpoint.mode", "selective",
     ],
+    "deepseek_v3 671B, 256 devices (FSDP x EP 2: upstream's 671b recipe), seq 4096, "
+    "batch 4, selective AC, bf16": [
+        "--model.name", "deepseek_v3", "--model.flavor", "671b",
+        "--nproc-per-node", "8", "--nnodes", "32", "--device-name", "Ascend910B3",
+        "--training.seq_len", "4096", "--training.local_batch_size", "4",
+        "--training.mixed_precision_param", "bfloat16",
+        "--activation_checkpoint.mode", "selective",
+        "--parallelism.expert_parallel_degree", "2",
+    ],
 }  # fmt: skip
 
 
