@@ -47,6 +47,8 @@ def build(
     from torchtitan.tools import utils
 
     config = upstream_config
+    # process-wide, as upstream's Trainer.__init__ sets it before parallelizing
+    dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
     trainer = object.__new__(Trainer)  # upstream's __init__ also builds data, I/O
     spec = config.model_spec
     model_config = spec.model
