@@ -3,7 +3,7 @@ model trains): the paths that failed on CPU before a patch filled them."""
 
 import pytest
 import torch
-from support import full_suite_only, requires_era
+from support import LOSS, full_suite_only, requires_era, warm_train
 
 from torchtitan_npu.bootstrap import activate, deactivate
 
@@ -242,3 +242,21 @@ def test_gpt_oss_tp_experts_add_their_bias_once(record, tmp_path):
         assert abs(ratio - 1) < 2e-2, ratio
     else:
         assert error > 5e-2 and ratio > 1.5, measured  # 1.93 measured
+
+
+@requires_era("config_registry")
+@pytest.mark.e2e
+def test_expert_parallel_trains_on_gloo_as_fsdp_does(launcher, tmp_path):
+    """EP 2 over FSDP 2 on gloo (the token exchange sends uneven shares, which
+    gloo's list all_to_all refuses: `gloo_*_token_exchange`) gives the loss of
+    FSDP 2 alone on the same batches: the routed experts are the same math,
+    placed on other ranks."""
+    model = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+    fsdp = warm_train(launcher, tmp_path / "fsdp", *model, nproc=2, steps=2)
+    ep = warm_train(
+        launcher, tmp_path / "ep", *model,
+        "--parallelism.expert_parallel_degree", "2", nproc=2, steps=2,
+    )  # fmt: skip
+    assert sorted(ep[LOSS]) == [1, 2]
+    for step, loss in fsdp[LOSS].items():
+        assert ep[LOSS][step] == pytest.approx(loss, rel=1e-5), (step, ep, fsdp)

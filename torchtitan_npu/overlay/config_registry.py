@@ -224,6 +224,48 @@ GPT_OSS_TP_EXPERT_BIAS = Patch(
     apply=_apply_tp_expert_bias,
 )
 
+
+def _apply_gloo_token_exchange(target: Target, ctx: PatchContext) -> list[Change]:
+    original = target.obj
+
+    def exchange(self, tokens, pg, output_splits, input_splits):
+        if get_backend(pg) != "gloo":
+            return original(self, tokens, pg, output_splits, input_splits)
+        # Upstream's own path outside the spmd_types backend: one
+        # all_to_all_single with split sizes (gloo's alltoallv), differentiable.
+        return all_to_all_single(tokens, output_splits, input_splits, self.ep_mesh)
+
+    from torch.distributed import get_backend
+    from torch.distributed._functional_collectives import all_to_all_single
+
+    return [Change(target.owner, target.attr, exchange)]
+
+
+def _gloo_token_exchange(method: str) -> Patch:
+    return Patch(
+        name=f"gloo{method}",
+        target=f"torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher.{method}",
+        kind="wrap",
+        reason=(
+            "expert parallelism sends each rank an uneven share of the tokens; "
+            "under the spmd_types backend the exchange is a list all_to_all, "
+            "which gloo refuses for uneven tensors ('ProcessGroupGloo::alltoall: "
+            "invalid tensor size'): on gloo it goes through all_to_all_single "
+            "with split sizes, upstream's own path for the DTensor backends."
+        ),
+        eras=(Era.CONFIG_REGISTRY,),
+        upstream_ref="spmd_types' _AllToAllUneven calls dist.all_to_all (tensor lists)",
+        remove_when="spmd_types' uneven all_to_all runs on gloo",
+        apply=_apply_gloo_token_exchange,
+        skip=skip_unless_cpu,
+    )
+
+
+GLOO_TOKEN_EXCHANGE = [
+    _gloo_token_exchange("_dispatch_token_exchange"),
+    _gloo_token_exchange("_combine_token_exchange"),
+]
+
 VARLEN_ATTENTION_REFERENCE = Patch(
     name="varlen_attention_reference",
     target="torchtitan.models.common.attention:varlen_attn",
@@ -348,6 +390,7 @@ PATCHES = [
     VARLEN_ATTENTION_REFERENCE,
     GPT_OSS_EXPERTS_DTYPE,
     GPT_OSS_TP_EXPERT_BIAS,
+    *GLOO_TOKEN_EXCHANGE,
     QWEN3_5_TEXT_ONLY_BATCHES,
     *FLA_CALL_SITES,
     *HF_ADAPTERS,
