@@ -36,6 +36,7 @@ LAYOUTS = {
                     "--parallelism.data_parallel_shard_degree", "2"]),
     "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2",
                  "--parallelism.data_parallel_shard_degree", "2"]),
+    "ep": (2, ["--parallelism.expert_parallel_degree", "2"]),  # MoE models
 }  # fmt: skip
 
 REAL_SIZES = {
