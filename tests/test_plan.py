@@ -8,6 +8,7 @@ PyTorch's memory tracker sees it."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from support import (
     full_suite_only,
     requires_default_upstream,
+    requires_era,
     requires_newest_of_era,
 )
 
@@ -175,6 +177,38 @@ def test_search_ranks_fits_then_misses(tmp_path):
         if batch < 4:  # tried because the batch twice as large missed
             assert any(t[:2] == (ac, 2 * batch) and t in misses for t in table)
     assert result.stderr.count("[1/3]") >= 1 and plot.stat().st_size > 0
+
+
+@requires_era("config_registry")  # 0.2.x does not plan EP: the config's own
+def test_search_varies_expert_parallelism_for_moe_models_only():
+    """The EP degrees a search plans: those dividing both the FSDP degree and
+    the routed experts for a MoE model; the config's own for a dense one."""
+    from torchtitan_npu.plan.search import expert_degrees, routed_experts
+
+    moe = resolve(None, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"])
+    dense = resolve(None, ["--parallelism.expert_parallel_degree", "1"])
+    assert routed_experts(moe) == 8 and routed_experts(dense) == 0
+    assert expert_degrees(moe, 4, 8) == [1, 2, 4]
+    assert expert_degrees(moe, 16, 8) == [1, 2, 4, 8]
+    assert expert_degrees(dense, 4, 0) == [1]
+
+
+@requires_era("config_registry")
+@full_suite_only("test_search_varies_expert_parallelism_for_moe_models_only")
+def test_search_plans_moe_layouts_with_and_without_expert_parallelism():
+    command = [
+        sys.executable, "-m", "torchtitan_npu.cli", "plan", "--search",
+        "--nproc-per-node", "1", "--nnodes", "2", "--device-memory", "700MiB",
+        "--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
+        "--training.local_batch_size", "2",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("fsdp 2")]
+    layouts = {tuple(re.split(r"\s{2,}", line)[:2]) for line in rows}
+    ac = ("none", "selective", "full")
+    assert layouts == {(name, a) for name in ("fsdp 2", "fsdp 2 x ep 2") for a in ac}
+    assert "[6/6] tp 1, ep 2, ac full" in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -133,14 +133,18 @@ def _config_function(registry, name: str, flavor: str):
     return functions[min(matches, key=len)]
 
 
-def parameter_count(name: str, flavor: str) -> int:
-    """Parameters of the model a flavor builds (on the meta device)."""
+def meta_model(name: str, flavor: str) -> Any:
+    """The model a flavor builds, on the meta device."""
     import torch
 
     model = base_config(name, flavor).model_spec.model
     with torch.device("meta"):
-        module = model.build()
-    return sum(p.numel() for p in module.parameters())
+        return model.build()
+
+
+def parameter_count(name: str, flavor: str) -> int:
+    """Parameters of the model a flavor builds (on the meta device)."""
+    return sum(p.numel() for p in meta_model(name, flavor).parameters())
 
 
 def _with_model(trainer_config: Any, model: Any, flavor: str) -> Any:

@@ -54,12 +54,16 @@ def flavors(name: str) -> list[str]:
     return sorted(get_train_spec(name).model_args)
 
 
-def parameter_count(name: str, flavor: str) -> int:
-    """Parameters of the model a flavor builds (on the meta device)."""
+def meta_model(name: str, flavor: str) -> Any:
+    """The model a flavor builds, on the meta device."""
     from torchtitan_npu.state_dict_adapters import upstream_models as um
 
-    module = um.build_meta(name, um.model_args(name, flavor, ERA), ERA)
-    return sum(p.numel() for p in module.parameters())
+    return um.build_meta(name, um.model_args(name, flavor, ERA), ERA)
+
+
+def parameter_count(name: str, flavor: str) -> int:
+    """Parameters of the model a flavor builds (on the meta device)."""
+    return sum(p.numel() for p in meta_model(name, flavor).parameters())
 
 
 def known_models() -> list[str]:

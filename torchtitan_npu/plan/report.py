@@ -67,6 +67,7 @@ def ranking(candidates: list[Candidate], memory: int, world_size: int) -> str:
     rows = []
     for c in candidates:
         layout = f"fsdp {world_size // c.tp}" + (f" x tp {c.tp}" if c.tp > 1 else "")
+        layout += f" x ep {c.ep}" if c.ep > 1 else ""
         if c.estimate is None:
             rows.append([layout, c.ac, c.local_batch, "-", f"cannot run: {c.failure}"])
             continue
@@ -84,7 +85,10 @@ def ranking(candidates: list[Candidate], memory: int, world_size: int) -> str:
 def bars(candidates: list[Candidate]) -> list[tuple[str, RankMemory]]:
     """(label, worst rank) of each planned candidate, for ``plot``."""
     return [
-        (f"tp{c.tp} {c.ac}\nbatch {c.local_batch}", c.estimate.worst)
+        (
+            f"tp{c.tp}{f' ep{c.ep}' if c.ep > 1 else ''} {c.ac}\nbatch {c.local_batch}",
+            c.estimate.worst,
+        )
         for c in candidates
         if c.estimate
     ]
