@@ -84,7 +84,12 @@ def results(request):
         # Merge: the file keeps each layout's latest result (subset reruns).
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        earlier = json.loads(path.read_text()) if path.exists() else []
+        try:
+            earlier = json.loads(path.read_text()) if path.exists() else []
+        except json.JSONDecodeError:  # left by a run killed mid-write (before
+            earlier = []  # writes were atomic): this run's cells still land
         rerun = {c["layout"] for c in cells}
         kept = [c for c in earlier if c["layout"] not in rerun]
-        path.write_text(json.dumps(kept + cells, indent=2))
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps(kept + cells, indent=2))
+        partial.replace(path)  # atomic: a killed run leaves the old file
