@@ -254,7 +254,13 @@ OTHER_MODELS = {
         "debugmodel_moe",
         True,
         {},
-        {"trainspec": _SDPA_CPU_TP},
+        {
+            "trainspec": _SDPA_CPU_TP,
+            "config_registry": "parity drifts under TP on 0.3.0 (measured "
+            "2026-12-03: step 1 8.0e-7 / 2.5e-5 off the one-device run, by step 4 "
+            "2.8e-5 / 1.3e-2; qwen3_moe_fsdp stays within 1.2e-6 / 1.5e-4), while "
+            "determinism and resume are bitwise; not explained yet",
+        },
         {},
     ),
     "llama4": (
