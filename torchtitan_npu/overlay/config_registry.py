@@ -226,6 +226,9 @@ GPT_OSS_TP_EXPERT_BIAS = Patch(
 
 
 def _apply_gloo_token_exchange(target: Target, ctx: PatchContext) -> list[Change]:
+    from torch.distributed import get_backend
+    from torch.distributed._functional_collectives import all_to_all_single
+
     original = target.obj
 
     def exchange(self, tokens, pg, output_splits, input_splits):
@@ -235,15 +238,12 @@ def _apply_gloo_token_exchange(target: Target, ctx: PatchContext) -> list[Change
         # all_to_all_single with split sizes (gloo's alltoallv), differentiable.
         return all_to_all_single(tokens, output_splits, input_splits, self.ep_mesh)
 
-    from torch.distributed import get_backend
-    from torch.distributed._functional_collectives import all_to_all_single
-
     return [Change(target.owner, target.attr, exchange)]
 
 
 def _gloo_token_exchange(method: str) -> Patch:
     return Patch(
-        name=f"gloo{method}",
+        name=f"gloo{method}",  # gloo_dispatch_token_exchange, gloo_combine_...
         target=f"torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher.{method}",
         kind="wrap",
         reason=(
