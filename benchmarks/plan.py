@@ -10,7 +10,8 @@ predicted vs measured per-rank peak and model state. Run it with each era's
 python (e.g. .nox/upstream-0.2.2/bin/python).
 
 real-sizes: wall time and peak RSS of `titan-npu plan` for published sizes
-(a subprocess each, so its RSS is its own).
+(a subprocess each, so its RSS is its own), as users run it and with
+--all-layers.
 """
 
 import argparse
@@ -103,15 +104,19 @@ def accuracy(layouts: list[str], model: list[str]) -> None:
 
 
 def real_sizes() -> None:
+    """Each size planned as users run it (deep models' repeated layers
+    extended on a line) and with --all-layers (every layer stepped)."""
     for name, args in REAL_SIZES.items():
-        command = [sys.executable, "-m", "torchtitan_npu.cli", "plan", *args]
-        start = time.perf_counter()
-        result = subprocess.run(command, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # GiB
-        peak = [line for line in result.stdout.splitlines() if " peak " in line]
-        print(f"{name}: {peak[:1] or result.stderr[-300:]}; wall {wall:.1f} s; "
-              f"peak RSS so far {rss:.2f} GiB", flush=True)  # fmt: skip
+        for how in ([], ["--all-layers"]):
+            command = [sys.executable, "-m", "torchtitan_npu.cli", "plan", *args, *how]
+            start = time.perf_counter()
+            result = subprocess.run(command, capture_output=True, text=True)
+            wall = time.perf_counter() - start
+            rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+            peak = [line for line in result.stdout.splitlines() if " peak " in line]
+            print(f"{name} {' '.join(how)}: {peak[:1] or result.stderr[-300:]}; "
+                  f"wall {wall:.1f} s; peak RSS so far {rss:.2f} GiB",
+                  flush=True)  # fmt: skip
 
 
 def main() -> None:

@@ -110,18 +110,55 @@ PLANNED_APART = """
 import json, sys
 from torchtitan_npu.config import resolve
 from torchtitan_npu.plan.estimate import estimate_apart
-for overrides, ranks in json.loads(sys.argv[1]):
-    worst = estimate_apart(resolve(None, overrides), ranks, "cpu").worst
+for overrides, ranks, all_layers in json.loads(sys.argv[1]):
+    worst = estimate_apart(resolve(None, overrides), ranks, "cpu", all_layers).worst
     print(json.dumps({"peak": worst.peak, "parts": worst.parts,
-                      "model_state": worst.model_state}))
+                      "model_state": worst.model_state, "sampled": worst.sampled}))
 """
 
 
-def planned_apart(*layouts: tuple[list[str], int]) -> list[dict]:
+def planned_apart(*layouts: tuple[list[str], int, bool]) -> list[dict]:
     command = [sys.executable, "-c", PLANNED_APART, json.dumps(layouts)]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_longest_repeats_finds_the_repeated_block():
+    """The run of identical layers a deep model is extrapolated along: after
+    dense layers (deepseek_v3), a hybrid block (qwen3_5's three linear- and
+    one full-attention layers), before a distinct last layer."""
+    from torchtitan_npu.plan.estimate import Repeats, longest_repeats
+
+    deepseek = ["dense"] * 3 + ["moe"] * 58
+    assert longest_repeats(deepseek) == Repeats(start=3, period=1, count=58)
+    assert Repeats(3, 1, 58).kept(61, blocks=3) == [0, 1, 2, 3, 4, 5]
+    hybrid = ["linear", "linear", "linear", "full"] * 12
+    assert longest_repeats(hybrid) == Repeats(start=0, period=4, count=12)
+    assert longest_repeats(["a"] * 20 + ["last"]) == Repeats(0, 1, 20)
+    assert Repeats(0, 1, 20).kept(21, blocks=3) == [0, 1, 2, 20]
+    assert longest_repeats(["a", "b", "c"]).count == 1
+
+
+@pytest.mark.e2e
+@requires_default_upstream("the sampling is era-independent (CI time)")
+def test_a_deep_model_extrapolated_as_if_every_layer_were_stepped():
+    """llama3 8B (32 identical layers) on FSDP 8: the plan steps 3, 4 and 5
+    of them and extends the line; stepping all 32 gives the same model state
+    to the byte and the same peak to within the tracker's rounding."""
+    from torchtitan_npu.plan.estimate import ON_A_LINE
+
+    overrides = [
+        "--model.flavor", "8B", "--training.seq_len", "256",
+        "--training.local_batch_size", "1",
+    ]  # fmt: skip
+    guess, truth = planned_apart((overrides, 8, False), (overrides, 8, True))
+    assert guess["model_state"] == truth["model_state"]
+    assert abs(guess["peak"] - truth["peak"]) <= ON_A_LINE, (guess, truth)
+    for part, value in truth["parts"].items():
+        assert abs(guess["parts"][part] - value) <= ON_A_LINE, part
+    assert "32 identical layers: 3, 4, 5 of them stepped" in guess["sampled"]
+    assert truth["sampled"] == ""
 
 
 def test_expert_parallel_routes_evenly_and_divides_the_model_state():
@@ -142,7 +179,7 @@ def test_expert_parallel_routes_evenly_and_divides_the_model_state():
     activate()
     routing = [r for r in OVERLAY.status if r.patch.name.startswith("plan_")]
     assert len(routing) == 2 and {r.state for r in routing} == {"on request"}
-    single, planned = planned_apart((MOE, 1), (MOE + EP_2, 4))
+    single, planned = planned_apart((MOE, 1, False), (MOE + EP_2, 4, False))
     for part, value in single["model_state"].items():
         assert planned["model_state"][part] * 4 == value, part
     state = planned["model_state"]

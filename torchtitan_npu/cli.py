@@ -139,11 +139,13 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.search:
         assert memory is not None  # checked above
         per_node = int(args.nproc_per_node)
-        ranked = search(config, world_size, per_node, memory, target)
+        ranked = search(
+            config, world_size, per_node, memory, target, all_layers=args.all_layers
+        )
         print(report.ranking(ranked, memory, world_size))
         planned = report.bars(ranked)
     else:
-        result = estimate(config, world_size, target)
+        result = estimate(config, world_size, target, all_layers=args.all_layers)
         print(report.describe(result, memory))
         planned = [(report.layout_name(result.degrees), result.worst)]
         if args.measure:
@@ -466,6 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the plan's steps on this machine's devices and compare",
     )
     plan.add_argument("--plot", help="write a stacked-bar PNG here")
+    plan.add_argument(
+        "--all-layers",
+        action="store_true",
+        help="step every layer (slower) instead of extending a deep model's "
+        "repeated layers on a line from a few of them",
+    )
     plan.set_defaults(handler=_plan)
 
     doctor = commands.add_parser("doctor", help="versions, device, patch table")

@@ -2,6 +2,7 @@
 as upstream's Trainer builds it (model spec, parallelize or pipelining
 function, optimizer), on fake tensors."""
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -37,11 +38,12 @@ def build(
     dims: Any,
     device: torch.device,
     tensors: AbstractContextManager,
+    cut: Callable[[torch.nn.Module], None] = lambda model: None,
 ) -> Any:
     """An upstream Trainer holding the run's model parts, optimizers, loss and
     step functions: everything its forward_backward_step reads (the model
     built on meta, then materialized on ``device`` under ``tensors``: fake or
-    real)."""
+    real; ``cut`` first changes it on meta: the plan samples deep models)."""
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.tools import utils
@@ -61,6 +63,7 @@ def build(
         utils.set_default_dtype(TORCH_DTYPE_MAP[config.training.dtype]),
     ):
         model = model_config.build()
+    cut(model)
     common = dict(
         parallel_dims=dims,
         training=config.training,

@@ -5,6 +5,12 @@ The run is the one upstream would build for the config (the era's
 ``plan/<era>.py``): the model on meta, parallelized by upstream's own
 functions, its optimizer; then two steps (the second holds optimizer states)
 of upstream's forward_backward_step, gradient clipping and optimizer step.
+
+A deep model is not stepped whole: memory grows by the same bytes with each
+repetition of its layers, so the plan steps the model cut to 2, 3 and 4
+repetitions of its longest run of identical layers and extends the line to
+the real count (``Repeats``); where the three are not on one line, it steps
+every layer.
 """
 
 import contextlib
@@ -45,6 +51,11 @@ class RankMemory:
     peak: int
     parts: dict[str, int]
     model_state: dict[str, int] = field(default_factory=dict)
+    # the tracker's peak of each phase of the step (forward and backward,
+    # gradient clipping, optimizer step), by its categories
+    phases: list[dict[str, int]] = field(default_factory=list)
+    # how the layers were stepped, where not all of them were
+    sampled: str = ""
 
 
 @contextlib.contextmanager
@@ -157,6 +168,12 @@ def run_steps(trainer: Any, era_plan: Any, target: str) -> RankMemory:
     device type runs it: the second step's peak and its parts."""
     size, count = era_plan.microbatches(trainer)
     memory = tracker(trainer)
+    peaks: list[dict[str, int]] = []
+
+    def phase_peak() -> None:
+        """The peak since the last phase's (the tracker keeps one)."""
+        peaks.append(dict(next(iter(memory.get_tracker_snapshot("peak").values()))))
+        memory.reset_peak()
 
     def step() -> None:
         trainer.optimizers.zero_grad()
@@ -164,9 +181,12 @@ def run_steps(trainer: Any, era_plan: Any, target: str) -> RankMemory:
         inputs, labels = [b[0] for b in batches], [b[1] for b in batches]
         tokens = torch.tensor(size * count * era_plan.seq_len(trainer))
         era_plan.forward_backward(trainer, inputs, labels, tokens.to(trainer.device))
+        phase_peak()
         era_plan.clip_grad_norm(trainer)
         memory.track_external(*trainer.model_parts)  # gradients FSDP assigned
+        phase_peak()
         trainer.optimizers.step()
+        phase_peak()
 
     with memory, attention_for(target), warnings.catch_warnings():
         # Upstream's MoE router asks CPU autocast for float32, which it cannot
@@ -176,24 +196,167 @@ def run_steps(trainer: Any, era_plan: Any, target: str) -> RankMemory:
         # The first step creates the optimizer states; on fake tensors it also
         # counts DTensor's sharding propagation (global shapes, under the same
         # fake mode), which is cached for every later step.
-        memory.reset_peak()
+        peaks.clear()
         step()
-    snapshot = next(iter(memory.get_tracker_snapshot("peak").values()))
+    return rank_memory(torch.distributed.get_rank(), peaks, model_state(trainer))
+
+
+def rank_memory(
+    rank: int, phases: list[dict[str, int]], state: dict[str, int]
+) -> RankMemory:
+    """A rank's memory from the tracker's peak of each phase of a step (by
+    its categories) and its model state: the peak of the phase that reaches
+    the highest first, in the plan's parts."""
+    snapshot = max(phases, key=lambda p: p["Total"])
     parts = dict.fromkeys(PARTS, 0)
     for key, value in snapshot.items():
         if key != "Total":
             parts[CATEGORIES.get(key, "other")] += value
-    state = model_state(trainer)
     # The tracker counts the optimizer step's own temporaries as its state.
     step_temporaries = max(0, parts["optimizer"] - state["optimizer"])
     parts["optimizer"] -= step_temporaries
     parts["temporary"] += step_temporaries
-    return RankMemory(
-        rank=torch.distributed.get_rank(),
-        peak=snapshot["Total"],
-        parts=parts,
-        model_state=state,
+    return RankMemory(rank, snapshot["Total"], parts, state, phases)
+
+
+# A run of identical layers this long or longer is not stepped whole: the
+# model is stepped cut to SAMPLES repetitions of it, one after the other,
+# until the last three lie on one line (the first repetitions can differ:
+# FSDP overlaps a few layers' gradient reductions), and the line extended.
+EXTRAPOLATE_FROM = 10
+SAMPLES = (3, 4, 5, 6)
+# Bytes by which the samples' steps may differ and still be on one line (the
+# tracker rounds small tensors: a few bytes per layer).
+ON_A_LINE = 2**16
+
+
+@dataclass(frozen=True)
+class Repeats:
+    """Layers ``start`` to ``start + period * count``: one block of ``period``
+    layers, ``count`` times."""
+
+    start: int
+    period: int
+    count: int
+
+    def kept(self, layers: int, blocks: int) -> list[int]:
+        """The layers of a model of ``layers`` cut to ``blocks`` repetitions."""
+        end = self.start + self.period * self.count
+        return [*range(self.start + self.period * blocks), *range(end, layers)]
+
+
+def layer_kind(layer: torch.nn.Module) -> tuple:
+    """What a layer's memory depends on: its modules' types, its parameters'
+    and buffers' shapes and dtypes (not their initializers)."""
+    modules = tuple((n, type(m).__name__) for n, m in layer.named_modules())
+    tensors = tuple(
+        (n, tuple(t.shape), t.dtype)
+        for n, t in [*layer.named_parameters(), *layer.named_buffers()]
     )
+    return modules, tensors
+
+
+def longest_repeats(kinds: list[tuple], max_period: int = 4) -> Repeats:
+    """The run of one repeated block that covers the most layers (the
+    shortest block among equals)."""
+    best = Repeats(0, 1, 1 if kinds else 0)
+    for period in range(1, max_period + 1):
+        for start in range(len(kinds) - period + 1):
+            block, end = kinds[start : start + period], start + period
+            while kinds[end : end + period] == block:
+                end += period
+            count = (end - start) // period
+            if count * period > best.count * best.period:
+                best = Repeats(start, period, count)
+    return best
+
+
+class LayerCut:
+    """Cuts a model built on meta to ``blocks`` repetitions of its longest
+    run of identical layers, where that run is long enough to extrapolate."""
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+        self.repeats: Repeats | None = None
+
+    def __call__(self, model: torch.nn.Module) -> None:
+        layers = list(model.layers.values())  # pyrefly: ignore[not-callable]
+        repeats = longest_repeats([layer_kind(layer) for layer in layers])
+        if repeats.count < EXTRAPOLATE_FROM:
+            return
+        self.repeats = repeats
+        kept = repeats.kept(len(layers), self.blocks)
+        for name in list(model.layers.keys()):  # pyrefly: ignore[not-callable]
+            del model.layers[name]  # pyrefly: ignore[unsupported-delete]
+        for i, index in enumerate(kept):  # renumbered: upstream counts them
+            model.layers[str(i)] = layers[index]  # pyrefly: ignore[unsupported-operation]
+
+
+def extrapolate(
+    samples: list[RankMemory], last: int, repeats: Repeats
+) -> RankMemory | None:
+    """The memory of the model's ``repeats`` from samples of consecutive
+    repetitions up to ``last``, phase by phase and part by part; None where
+    the samples are not on one line."""
+    blocks = repeats.count
+
+    def line(values: list[int]) -> int | None:
+        steps = [b - a for a, b in zip(values, values[1:])]
+        if max(steps) - min(steps) > ON_A_LINE:
+            return None
+        return values[-1] + steps[-1] * (blocks - last)
+
+    def extend(dicts: list[dict[str, int]]) -> dict[str, int] | None:
+        extended = {k: line([d.get(k, 0) for d in dicts]) for k in dicts[-1]}
+        if any(v is None for v in extended.values()):
+            return None
+        return extended  # pyrefly: ignore[bad-return]
+
+    phases = [extend([s.phases[i] for s in samples]) for i in range(3)]
+    state = extend([s.model_state for s in samples])
+    if state is None or any(p is None for p in phases):
+        return None
+    memory = rank_memory(samples[0].rank, phases, state)  # pyrefly: ignore[bad-argument-type]
+    stepped = ", ".join(str(n) for n in range(last - len(samples) + 1, last + 1))
+    run = (
+        f"{blocks} identical layers"
+        if repeats.period == 1
+        else f"{blocks} repetitions of a block of {repeats.period} layers"
+    )
+    memory.sampled = (
+        f"{run}: {stepped} of them stepped, the line through them extended "
+        "(--all-layers steps every layer)"
+    )
+    return memory
+
+
+def simulate(
+    plan: ModuleType, upstream: Any, dims: Any, target: str, all_layers: bool
+) -> RankMemory:
+    """One rank of the run on fake tensors: every layer stepped, or a run of
+    identical layers extrapolated from SAMPLES repetitions of it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def step(cut: Callable[[torch.nn.Module], None]) -> RankMemory:
+        # Small real tensors (device meshes) become fake where they meet.
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        trainer = plan.build(upstream, dims, torch.device("cpu"), fake, cut)
+        with fake:
+            return run_steps(trainer, plan, target)
+
+    if all_layers or dims.pp_enabled:  # stages split the layers themselves
+        return step(lambda model: None)
+    samples = []
+    for blocks in SAMPLES:
+        cut = LayerCut(blocks)
+        samples.append(step(cut))
+        if cut.repeats is None:  # too few layers to cut: stepped whole
+            return samples[-1]
+        if len(samples) >= 3:
+            extended = extrapolate(samples[-3:], blocks, cut.repeats)
+            if extended is not None:
+                return extended
+    return step(lambda model: None)
 
 
 @dataclass
@@ -218,11 +381,12 @@ def era_plan() -> ModuleType:
     return era_module("torchtitan_npu.plan", resolve_upstream().era)
 
 
-def estimate(config: dict[str, Any], world_size: int, target: str) -> Estimate:
+def estimate(
+    config: dict[str, Any], world_size: int, target: str, all_layers: bool = False
+) -> Estimate:
     """Plan a resolved project config on ``world_size`` devices of type
-    ``target``: the first rank of every pipeline stage, on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    ``target``: the first rank of every pipeline stage, on fake tensors
+    (``all_layers``: step every layer, extrapolate none)."""
     from torchtitan_npu.bootstrap import activate
     from torchtitan_npu.compat import resolve_upstream
     from torchtitan_npu.overlay import OVERLAY
@@ -240,12 +404,8 @@ def estimate(config: dict[str, Any], world_size: int, target: str) -> Estimate:
             dims = plan.parallel_dims(upstream, world_size)
             refuse_unplannable(dims, {**UNPLANNABLE, **plan.UNPLANNABLE})
             dims.build_mesh()
-            # Small real tensors (device meshes) become fake where they meet.
-            fake = FakeTensorMode(allow_non_fake_inputs=True)
             try:
-                trainer = plan.build(upstream, dims, torch.device("cpu"), fake)
-                with fake:
-                    ranks.append(run_steps(trainer, plan, target))
+                ranks.append(simulate(plan, upstream, dims, target, all_layers))
             except PlanError:
                 raise
             except Exception as e:
@@ -253,7 +413,6 @@ def estimate(config: dict[str, Any], world_size: int, target: str) -> Estimate:
                     f"{layout_name(degrees(dims))} could not be simulated "
                     f"({summary(e)}); please report it with the command line"
                 ) from e
-            del trainer
     assert dims is not None
     return Estimate(degrees(dims), ranks, time.perf_counter() - start)
 
@@ -264,7 +423,9 @@ def summary(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}"
 
 
-def estimate_apart(config: dict[str, Any], world_size: int, target: str) -> Estimate:
+def estimate_apart(
+    config: dict[str, Any], world_size: int, target: str, all_layers: bool = False
+) -> Estimate:
     """``estimate`` in a forked child: upstream keeps per-process state of a
     built run (meshes, caches) that a second layout in the same process
     would inherit. The child starts with everything imported."""
@@ -273,7 +434,7 @@ def estimate_apart(config: dict[str, Any], world_size: int, target: str) -> Esti
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
     child = context.Process(
-        target=_estimate_into, args=(send, config, world_size, target)
+        target=_estimate_into, args=(send, config, world_size, target, all_layers)
     )
     child.start()
     send.close()
@@ -289,10 +450,10 @@ def estimate_apart(config: dict[str, Any], world_size: int, target: str) -> Esti
 
 
 def _estimate_into(
-    send: Any, config: dict[str, Any], world_size: int, target: str
+    send: Any, config: dict[str, Any], world_size: int, target: str, all_layers: bool
 ) -> None:
     try:
-        send.send(("ok", estimate(config, world_size, target)))
+        send.send(("ok", estimate(config, world_size, target, all_layers)))
     except Exception as e:  # noqa: BLE001 - reported by the parent
         send.send(("error", str(e) if isinstance(e, PlanError) else summary(e)))
 

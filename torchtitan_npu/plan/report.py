@@ -43,6 +43,8 @@ def describe(estimate: Estimate, memory: int | None) -> str:
         ]
         held = ", ".join(f"{k} {size(v)}" for k, v in r.model_state.items())
         lines.append(f"  model state held throughout: {held}")
+        if r.sampled:
+            lines.append(f"  layers: {r.sampled}")
     lines.append(f"(simulated on fake tensors in {estimate.seconds:.1f} s)")
     return "\n".join(lines)
 

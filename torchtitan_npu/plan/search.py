@@ -57,6 +57,7 @@ def search(
     memory: int,
     target: str,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+    all_layers: bool = False,
 ) -> list[Candidate]:
     """Plan every candidate on ``target`` devices; fitting ones first
     (fastest expected first), then the misses by how much they exceed
@@ -77,7 +78,9 @@ def search(
             c = Candidate(tp, ac, size, ep)
             try:
                 candidate_config = layout_config(config, world_size, c)
-                c.estimate = estimate_apart(candidate_config, world_size, target)
+                c.estimate = estimate_apart(
+                    candidate_config, world_size, target, all_layers
+                )
             except PlanError as e:  # upstream refuses the layout, or pp/cp
                 c.failure = str(e)
             planned.append(c)

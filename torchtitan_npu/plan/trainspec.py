@@ -5,6 +5,7 @@ pipelining function, optimizers), on fake tensors."""
 import inspect
 import os
 import tempfile
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -68,11 +69,12 @@ def build(
     dims: Any,
     device: torch.device,
     tensors: AbstractContextManager,
+    cut: Callable[[torch.nn.Module], None] = lambda model: None,
 ) -> Any:
     """An upstream Trainer holding the run's model parts, optimizers, loss and
     contexts: everything its forward_backward_step reads (the model
     built on meta, then materialized on ``device`` under ``tensors``: fake or
-    real)."""
+    real; ``cut`` first changes it on meta: the plan samples deep models)."""
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.distributed import utils as dist_utils
 
@@ -101,6 +103,7 @@ def build(
         utils.set_default_dtype(TORCH_DTYPE_MAP[job.training.dtype]),
     ):
         model = spec.model_cls(model_args)
+    cut(model)
     build_model_converters(job, dims).convert(model)
     trainer.loss_fn = spec.build_loss_fn(job, parallel_dims=dims)
     if dims.pp_enabled:
