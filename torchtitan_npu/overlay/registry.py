@@ -376,15 +376,16 @@ class Overlay:
         return rows
 
     def apply_on_request(self, name: str, device_type: str | None = None) -> None:
-        """Apply an on-request record of the active set (idempotent); for
-        ``device_type`` when given (a converter built for another device)."""
+        """Apply an on-request record of the active set (idempotent; nothing
+        for a record of other releases); for ``device_type`` when given (a
+        converter built for another device)."""
         row = next((r for r in self.status if r.patch.name == name), None)
         if self._ctx is None or row is None:
             raise PatchTargetError(
                 f"overlay record {name!r} is not in the active overlay; "
                 "activate the overlay (import torchtitan_npu) before converting"
             )
-        if row.state == "applied":
+        if row.state in ("applied", "not needed"):  # on request: other releases
             return
         if row.state != "on request":
             raise PatchTargetError(

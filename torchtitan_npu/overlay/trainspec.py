@@ -256,6 +256,44 @@ MOE_PERMUTE_ON_CPU = Patch(
     apply=_apply_permute_on_cpu,
     skip=skip_unless_cpu,
 )
+
+
+def _apply_even_expert_tokens(target: Target, ctx: PatchContext) -> list[Change]:
+    from torchtitan_npu.plan.routing import evenly_routed_experts
+
+    return [Change(target.owner, target.attr, evenly_routed_experts(target.obj))]
+
+
+_PLAN_EVEN_EXPERT_TOKENS = dict(
+    kind="wrap",
+    reason=(
+        "fake tensors have no token counts for the experts' loop "
+        "('aten._local_scalar_dense' at .tolist()): a plan spreads the "
+        "routed tokens evenly over the experts"
+    ),
+    eras=(Era.TRAINSPEC,),
+    upstream_ref=(
+        "none upstream: a plan on fake tensors has no token counts to read "
+        "(plan/routing.py)"
+    ),
+    remove_when="0.2.x era dropped",
+    apply=_apply_even_expert_tokens,
+    on_request=True,  # by `titan-npu plan` only, never in training
+)
+# 0.2.x's MoE experts off SM90 CUDA in a plan: the shared loop, gpt_oss's own.
+PLAN_EVEN_EXPERT_TOKENS = [
+    Patch(
+        name="plan_even_expert_tokens",
+        target="torchtitan.models.moe.moe:_run_experts_for_loop",
+        **_PLAN_EVEN_EXPERT_TOKENS,
+    ),
+    Patch(
+        name="plan_even_gpt_oss_expert_tokens",
+        target="torchtitan.models.gpt_oss.model.moe:_run_experts_for_loop",
+        since="0.2.2",
+        **_PLAN_EVEN_EXPERT_TOKENS,
+    ),
+]
 # The other 0.2.x call of torch.histc on expert indices.
 MOE_ROUTER_HISTC = Patch(
     name="moe_router_histc",
@@ -336,6 +374,7 @@ PATCHES = [
     MOE_INTEGER_HISTC,
     MOE_ROUTER_HISTC,
     MOE_PERMUTE_ON_CPU,
+    *PLAN_EVEN_EXPERT_TOKENS,
     GPT_OSS_LAYERS_DTYPE,
     MOE_GATE_BIAS_INIT,
     HF_ADAPTERS,

@@ -1,4 +1,4 @@
-"""Expert-parallel token routing in a plan.
+"""MoE token routing in a plan.
 
 Under expert parallelism a rank learns how many tokens it sends to and
 receives from each other rank by exchanging token counts, then reads them
@@ -10,8 +10,14 @@ evenly as the counts allow. That is the balanced load MoE training aims for
 the ranks that receive more. Used by the overlay's on-request records
 ``plan_routed_tokens`` and ``plan_even_splits``, applied only while a plan
 is computed.
+
+0.2.x's experts on CPU (and on every device but SM90 CUDA) run as a loop
+over the experts that reads the tokens per expert the same way; a plan
+spreads the routed tokens evenly over the experts (record
+``plan_even_expert_tokens``).
 """
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -52,3 +58,28 @@ def even_token_count_exchange(
     sends its routed tokens evenly and receives as many."""
     splits = even_splits(getattr(self, ROUTED), ep_size)
     return num_global_tokens_per_local_expert_EP_e.reshape(-1), splits, list(splits)
+
+
+class EvenCounts(list):
+    """Tokens per expert as a plan routes them, read as upstream reads a
+    count tensor (``.tolist()``)."""
+
+    def tolist(self) -> list[int]:
+        return list(self)
+
+
+def evenly_routed_experts(run_experts: Callable[..., Any]) -> Callable[..., Any]:
+    """0.2.x's ``_run_experts_for_loop`` (any model's: arguments by name) on
+    its tokens ``x`` spread evenly over the experts it is given counts for."""
+    signature = inspect.signature(run_experts)
+
+    def planned_experts(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        experts = bound.arguments["num_tokens_per_expert"].shape[0]
+        tokens = bound.arguments["x"].shape[0]
+        bound.arguments["num_tokens_per_expert"] = EvenCounts(
+            even_splits(tokens, experts)
+        )
+        return run_experts(*bound.args, **bound.kwargs)
+
+    return planned_experts
