@@ -188,6 +188,28 @@ def test_expert_parallel_routes_evenly_and_divides_the_model_state():
 
 
 @pytest.mark.e2e
+@requires_era("trainspec")
+@requires_newest_of_era("one per era (CI time)")
+def test_moe_models_plan_on_0_2_x_with_the_tokens_spread_over_the_experts():
+    """0.2.x runs the experts off SM90 CUDA as a loop that reads its token
+    counts (.tolist()), which fake tensors lack: a plan spreads the routed
+    tokens evenly over the experts (on-request records, never in training).
+    deepseek_v3 over FSDP 2 then holds half the single device's model state
+    (measured against real runs: docs/plan.md)."""
+    from torchtitan_npu.bootstrap import activate
+    from torchtitan_npu.overlay import OVERLAY
+
+    activate()
+    even = [r for r in OVERLAY.status if r.patch.name.startswith("plan_even")]
+    assert even and {r.state for r in even} <= {"on request", "not needed"}
+    single, sharded = planned_apart((MOE, 1, False), (MOE, 2, False))
+    for part, value in single["model_state"].items():
+        assert sharded["model_state"][part] * 2 == value, part
+    assert sum(sharded["parts"].values()) == sharded["peak"]
+    assert sharded["peak"] < single["peak"]
+
+
+@pytest.mark.e2e
 @requires_default_upstream("the ranking is era-independent (CI time)")
 def test_search_ranks_fits_then_misses(tmp_path):
     """`plan --search` on 2 one-device nodes (tp 1): every activation
