@@ -145,7 +145,13 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         print(report.ranking(ranked, memory, world_size))
         planned = report.bars(ranked)
     else:
-        result = estimate(config, world_size, target, all_layers=args.all_layers)
+        result = estimate(
+            config,
+            world_size,
+            target,
+            all_layers=args.all_layers,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
         print(report.describe(result, memory))
         planned = [(report.layout_name(result.degrees), result.worst)]
         if args.measure:

@@ -244,6 +244,11 @@ class Repeats:
         end = self.start + self.period * self.count
         return [*range(self.start + self.period * blocks), *range(end, layers)]
 
+    def __str__(self) -> str:
+        if self.period == 1:
+            return f"{self.count} identical layers"
+        return f"{self.count} repetitions of a block of {self.period} layers"
+
 
 def layer_kind(layer: torch.nn.Module) -> tuple:
     """What a layer's memory depends on: its modules' types, its parameters'
@@ -318,20 +323,20 @@ def extrapolate(
         return None
     memory = rank_memory(samples[0].rank, phases, state)  # pyrefly: ignore[bad-argument-type]
     stepped = ", ".join(str(n) for n in range(last - len(samples) + 1, last + 1))
-    run = (
-        f"{blocks} identical layers"
-        if repeats.period == 1
-        else f"{blocks} repetitions of a block of {repeats.period} layers"
-    )
     memory.sampled = (
-        f"{run}: {stepped} of them stepped, the line through them extended "
+        f"{repeats}: {stepped} of them stepped, the line through them extended "
         "(--all-layers steps every layer)"
     )
     return memory
 
 
 def simulate(
-    plan: ModuleType, upstream: Any, dims: Any, target: str, all_layers: bool
+    plan: ModuleType,
+    upstream: Any,
+    dims: Any,
+    target: str,
+    all_layers: bool,
+    progress: Callable[[str], None],
 ) -> RankMemory:
     """One rank of the run on fake tensors: every layer stepped, or a run of
     identical layers extrapolated from SAMPLES repetitions of it."""
@@ -352,10 +357,12 @@ def simulate(
         samples.append(step(cut))
         if cut.repeats is None:  # too few layers to cut: stepped whole
             return samples[-1]
+        progress(f"{cut.repeats}: {blocks} of them stepped")
         if len(samples) >= 3:
             extended = extrapolate(samples[-3:], blocks, cut.repeats)
             if extended is not None:
                 return extended
+    progress("the samples are not on one line: stepping every layer")
     return step(lambda model: None)
 
 
@@ -382,11 +389,16 @@ def era_plan() -> ModuleType:
 
 
 def estimate(
-    config: dict[str, Any], world_size: int, target: str, all_layers: bool = False
+    config: dict[str, Any],
+    world_size: int,
+    target: str,
+    all_layers: bool = False,
+    progress: Callable[[str], None] = lambda line: None,
 ) -> Estimate:
     """Plan a resolved project config on ``world_size`` devices of type
     ``target``: the first rank of every pipeline stage, on fake tensors
-    (``all_layers``: step every layer, extrapolate none)."""
+    (``all_layers``: step every layer, extrapolate none; ``progress``: a line
+    per step of a deep model sampled)."""
     from torchtitan_npu.bootstrap import activate
     from torchtitan_npu.compat import resolve_upstream
     from torchtitan_npu.overlay import OVERLAY
@@ -405,7 +417,9 @@ def estimate(
             refuse_unplannable(dims, {**UNPLANNABLE, **plan.UNPLANNABLE})
             dims.build_mesh()
             try:
-                ranks.append(simulate(plan, upstream, dims, target, all_layers))
+                ranks.append(
+                    simulate(plan, upstream, dims, target, all_layers, progress)
+                )
             except PlanError:
                 raise
             except Exception as e:
