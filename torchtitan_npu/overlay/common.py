@@ -167,7 +167,8 @@ def varlen_attention_reference(
     float32; returns (out (T, N, H) in the query's dtype[, lse (N, T)])."""
     import torch
 
-    if cu_seq_k is not None and not torch.equal(cu_seq_q, cu_seq_k):
+    shared = cu_seq_k is None or cu_seq_k is cu_seq_q  # upstream passes one tensor
+    if not shared and not torch.equal(cu_seq_q, cu_seq_k):
         raise NotImplementedError("varlen reference: queries and keys share lengths")
     if enable_gqa and key.shape[1] != query.shape[1]:
         group = query.shape[1] // key.shape[1]

@@ -362,6 +362,33 @@ def _apply_even_splits(target: Target, ctx: PatchContext) -> list[Change]:
     return [Change(target.owner, target.attr, even_token_count_exchange)]
 
 
+def _apply_document_per_row(target: Target, ctx: PatchContext) -> list[Change]:
+    from torchtitan_npu.plan.attention import document_per_row
+
+    planned = document_per_row(target.obj)
+    return [Change(target.owner, target.attr, planned, rebind=True)]
+
+
+PLAN_VARLEN_METADATA = Patch(
+    name="plan_varlen_metadata",
+    target="torchtitan.models.common.attention:create_varlen_metadata_for_document",
+    kind="wrap",
+    reason=(
+        "varlen attention (gpt_oss, qwen3_5) finds document starts in the "
+        "positions ('aten.nonzero' has no fake output shape): a plan's batch "
+        "is one document per row, so its metadata comes from the shape"
+    ),
+    eras=(Era.CONFIG_REGISTRY,),
+    upstream_ref=(
+        "none upstream: a plan on fake tensors has no positions to read "
+        "(plan/attention.py)"
+    ),
+    remove_when="never while plans run on fake tensors",
+    apply=_apply_document_per_row,
+    on_request=True,  # by `titan-npu plan` only, never in training
+)
+
+
 # Expert parallelism in a plan: the routed-token count, then even splits.
 PLAN_ROUTING = [
     Patch(
@@ -396,4 +423,5 @@ PATCHES = [
     *HF_ADAPTERS,
     *ARCHITECTURE_BUILDERS,
     *PLAN_ROUTING,
+    PLAN_VARLEN_METADATA,
 ]

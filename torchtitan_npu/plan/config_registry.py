@@ -14,8 +14,9 @@ from torchtitan.trainer import Trainer
 from torchtitan_npu.plan.estimate import materialize
 
 # Overlay records applied while a plan is computed: expert parallelism routes
-# evenly (plan/routing.py). No layout is unplannable beyond estimate's.
-SIMULATION_RECORDS = ("plan_routed_tokens", "plan_even_splits")
+# evenly (plan/routing.py), varlen attention's documents are the batch's rows
+# (plan/attention.py). No layout is unplannable beyond estimate's.
+SIMULATION_RECORDS = ("plan_routed_tokens", "plan_even_splits", "plan_varlen_metadata")
 UNPLANNABLE: dict[str, str] = {}
 
 

@@ -155,8 +155,12 @@ def tracker(trainer: Any) -> Any:
 
     memory = StepMemTracker()
     memory.track_external(*trainer.model_parts, *trainer.optimizers.optimizers)
-    for part in trainer.model_parts:  # gradients by their hooks
-        memory._track_module_params_and_buffers(part, install_grad_hooks=True)
+    # Gradients by their hooks, which only trainable parameters take (qwen3_5
+    # trains its text model only: its vision encoder is frozen).
+    trainable = torch.nn.ParameterList(
+        p for part in trainer.model_parts for p in part.parameters() if p.requires_grad
+    )
+    memory._track_module_params_and_buffers(trainable, install_grad_hooks=True)
     # Higher-order ops (flex attention) run through the tracker like any op:
     # it counts their outputs.
     memory.supports_higher_order_operators = True
