@@ -210,6 +210,30 @@ def test_moe_models_plan_on_0_2_x_with_the_tokens_spread_over_the_experts():
 
 
 @pytest.mark.e2e
+@requires_era("config_registry")
+def test_varlen_attention_plans_as_each_device_runs_it():
+    """gpt_oss attends over packed documents (varlen), whose boundaries
+    upstream reads from the positions' values, which fake tensors lack: a
+    plan's batch is one document per row, so they come from its shape. On CPU
+    the overlay's reference keeps each head's score matrix for backward; NPU
+    and CUDA run a fused kernel, planned as such: less memory."""
+
+    def peak(device: str) -> float:
+        command = [
+            sys.executable, "-m", "torchtitan_npu.cli", "plan",
+            "--model.name", "gpt_oss", "--model.flavor", "debugmodel",
+            "--nproc-per-node", "2", "--device", device,
+        ]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+        found = re.search(r"rank 0: peak ([0-9.]+) GiB", result.stdout)
+        assert found, result.stdout
+        return float(found.group(1))
+
+    assert peak("npu") < peak("cpu")
+
+
+@pytest.mark.e2e
 @requires_default_upstream("the ranking is era-independent (CI time)")
 def test_search_ranks_fits_then_misses(tmp_path):
     """`plan --search` on 2 one-device nodes (tp 1): every activation
