@@ -151,13 +151,8 @@ def _conv(x, weight, bias, activation, cu_seqlens):
     """Depthwise causal conv of x [B, T, D] with weight [D, W], restarting at
     every document boundary of ``cu_seqlens``."""
     width = weight.shape[-1]
-    if cu_seqlens is None:
-        segments = [(0, x.shape[1])]
-    else:
-        bounds = [int(b) for b in cu_seqlens.tolist()]
-        segments = list(zip(bounds[:-1], bounds[1:]))
     pieces = []
-    for start, end in segments:
+    for start, end in gated_delta.segments(x.shape[1], cu_seqlens):
         piece = F.pad(x[:, start:end].transpose(1, 2), [width - 1, 0])
         pieces.append(F.conv1d(piece, weight[:, None], bias, groups=weight.shape[0]))
     out = torch.cat(pieces, dim=-1).transpose(1, 2)

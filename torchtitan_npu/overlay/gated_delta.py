@@ -37,10 +37,19 @@ def _prepare(q, k, v, g, beta, scale, l2norm):
     return q * scale, k, v, g, beta
 
 
-def _segments(length: int, cu_seqlens) -> list[tuple[int, int]]:
+def segments(length: int, cu_seqlens) -> list[tuple[int, int]]:
+    """Each document's (start, end) in a packed sequence of ``length``. Fake
+    offsets (a memory plan's: no values) are the plan's batch: documents of
+    equal length, one per row."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     if cu_seqlens is None:
         return [(0, length)]
-    bounds = [int(b) for b in cu_seqlens.tolist()]
+    if isinstance(cu_seqlens, FakeTensor):
+        documents = cu_seqlens.numel() - 1
+        bounds = [length * i // documents for i in range(documents + 1)]
+    else:
+        bounds = [int(b) for b in cu_seqlens.tolist()]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
@@ -105,7 +114,7 @@ def _run(segment_fn, q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm)
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, l2norm)
     outputs, states = [], []
-    for index, (start, end) in enumerate(_segments(q.shape[2], cu_seqlens)):
+    for index, (start, end) in enumerate(segments(q.shape[2], cu_seqlens)):
         state = _initial(q, v, initial_state)
         if cu_seqlens is not None and initial_state is not None:
             state = state[index : index + 1]
