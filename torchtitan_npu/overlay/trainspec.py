@@ -294,6 +294,34 @@ PLAN_EVEN_EXPERT_TOKENS = [
         **_PLAN_EVEN_EXPERT_TOKENS,
     ),
 ]
+
+
+def _apply_unfilled_permute_indices(target: Target, ctx: PatchContext) -> list[Change]:
+    from torchtitan_npu.plan.routing import unfilled_permute_indices
+
+    return [Change(target.owner, target.attr, unfilled_permute_indices)]
+
+
+PLAN_PERMUTE_INDICES = Patch(
+    name="plan_permute_indices",
+    target="torchtitan.models.moe.kernels:fill_indices_cpu",
+    kind="replace",
+    reason=(
+        "fake tensors have no token counts for the grouped experts' padded "
+        "token order ('aten._local_scalar_dense' at .item()): a plan allocates "
+        "the index vector unfilled"
+    ),
+    eras=(Era.TRAINSPEC,),
+    upstream_ref=(
+        "none upstream: a plan on fake tensors has no token counts to read "
+        "(plan/routing.py)"
+    ),
+    remove_when="0.2.x era dropped",
+    apply=_apply_unfilled_permute_indices,
+    on_request=True,  # by `titan-npu plan` only, never in training
+)
+
+
 # The other 0.2.x call of torch.histc on expert indices.
 MOE_ROUTER_HISTC = Patch(
     name="moe_router_histc",
@@ -375,6 +403,7 @@ PATCHES = [
     MOE_ROUTER_HISTC,
     MOE_PERMUTE_ON_CPU,
     *PLAN_EVEN_EXPERT_TOKENS,
+    PLAN_PERMUTE_INDICES,
     GPT_OSS_LAYERS_DTYPE,
     MOE_GATE_BIAS_INIT,
     HF_ADAPTERS,

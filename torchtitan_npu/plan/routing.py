@@ -14,7 +14,9 @@ is computed.
 0.2.x's experts on CPU (and on every device but SM90 CUDA) run as a loop
 over the experts that reads the tokens per expert the same way; a plan
 spreads the routed tokens evenly over the experts (record
-``plan_even_expert_tokens``).
+``plan_even_expert_tokens``). Where they run grouped (qwen3), the padded
+token order is filled from those counts: a plan allocates it unfilled
+(record ``plan_permute_indices``).
 """
 
 import inspect
@@ -83,3 +85,16 @@ def evenly_routed_experts(run_experts: Callable[..., Any]) -> Callable[..., Any]
         return run_experts(*bound.args, **bound.kwargs)
 
     return planned_experts
+
+
+def unfilled_permute_indices(
+    tokens_per_expert_group: torch.Tensor,
+    start_index_values: torch.Tensor,
+    write_offsets: torch.Tensor,
+    experts_per_rank: int,
+    num_ranks: int,
+    max_len: int,
+) -> torch.Tensor:
+    """0.2.x's ``fill_indices_cpu`` without the filling (upstream reads each
+    count with ``.item()``): the same index vector, its values unset."""
+    return torch.full((max_len,), -1, dtype=torch.int32)

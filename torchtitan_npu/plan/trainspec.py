@@ -17,9 +17,14 @@ from torchtitan.train import Trainer
 from torchtitan_npu.plan.estimate import materialize
 
 # Overlay records applied while a plan is computed: MoE experts get their
-# tokens evenly (plan/routing.py; gpt_oss's from 0.2.2); and the layouts 0.2.x
-# cannot be planned in beyond estimate.UNPLANNABLE.
-SIMULATION_RECORDS = ("plan_even_expert_tokens", "plan_even_gpt_oss_expert_tokens")
+# tokens evenly, the grouped experts' token order unfilled (plan/routing.py;
+# gpt_oss's from 0.2.2); and the layouts 0.2.x cannot be planned in beyond
+# estimate.UNPLANNABLE.
+SIMULATION_RECORDS = (
+    "plan_even_expert_tokens",
+    "plan_even_gpt_oss_expert_tokens",
+    "plan_permute_indices",
+)
 UNPLANNABLE = {
     "ep": "0.2.x's expert-parallel dispatch reads its token counts as values, "
     "which fake tensors do not have",
