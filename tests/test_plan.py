@@ -177,8 +177,9 @@ def test_expert_parallel_routes_evenly_and_divides_the_model_state():
             estimate(resolve(None, MOE + EP_2), 4, "cpu")
         return
     activate()
-    routing = [r for r in OVERLAY.status if r.patch.name.startswith("plan_")]
-    assert len(routing) == 2 and {r.state for r in routing} == {"on request"}
+    planning = {r.patch.name: r.state for r in OVERLAY.status}
+    for name in ("plan_routed_tokens", "plan_even_splits"):
+        assert planning[name] == "on request", name
     single, planned = planned_apart((MOE, 1, False), (MOE + EP_2, 4, False))
     for part, value in single["model_state"].items():
         assert planned["model_state"][part] * 4 == value, part
