@@ -227,7 +227,9 @@ def rank_memory(
 # model is stepped cut to SAMPLES repetitions of it, one after the other,
 # until the last three lie on one line (the first repetitions can differ:
 # FSDP overlaps a few layers' gradient reductions), and the line extended.
-EXTRAPOLATE_FROM = 10
+# Three samples step 12 repetitions in all, each sample also the layers
+# around them: it pays from 16 on.
+EXTRAPOLATE_FROM = 16
 SAMPLES = (3, 4, 5, 6)
 # Bytes by which the samples' steps may differ and still be on one line (the
 # tracker rounds small tensors: a few bytes per layer).
