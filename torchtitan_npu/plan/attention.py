@@ -3,10 +3,10 @@
 Planning happens on CPU, where flex attention runs eagerly and keeps the
 whole score matrix for backward. NPU and CUDA run it fused (compiled flex,
 npu_fusion_attention): forward keeps only its inputs, output and
-log-sum-exp; backward makes the three input gradients. ``fused_flex`` puts
-that memory behaviour in flex attention's place (and ``fused_varlen`` in
-0.3's varlen attention's) while a plan for such a device is computed (shapes
-only: it is never used to train).
+log-sum-exp; backward makes the three input gradients.
+``fused_flex_attention`` puts that memory behaviour in flex attention's place
+(and ``fused_varlen_attention`` in 0.3's varlen attention's) while a plan for
+such a device is computed (shapes only: it is never used to train).
 
 Varlen attention's document boundaries are read from the batch's positions
 as values; a plan's batch is one document per row, so they are computed from
