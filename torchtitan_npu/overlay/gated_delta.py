@@ -37,7 +37,7 @@ def _prepare(q, k, v, g, beta, scale, l2norm):
     return q * scale, k, v, g, beta
 
 
-def segments(length: int, cu_seqlens) -> list[tuple[int, int]]:
+def segments(length: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:
     """Each document's (start, end) in a packed sequence of ``length``. Fake
     offsets (a memory plan's: no values) are the plan's batch: documents of
     equal length, one per row."""

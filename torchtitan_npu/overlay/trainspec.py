@@ -264,34 +264,39 @@ def _apply_even_expert_tokens(target: Target, ctx: PatchContext) -> list[Change]
     return [Change(target.owner, target.attr, evenly_routed_experts(target.obj))]
 
 
-_PLAN_EVEN_EXPERT_TOKENS = dict(
-    kind="wrap",
-    reason=(
-        "fake tensors have no token counts for the experts' loop "
-        "('aten._local_scalar_dense' at .tolist()): a plan spreads the "
-        "routed tokens evenly over the experts"
-    ),
-    eras=(Era.TRAINSPEC,),
-    upstream_ref=(
-        "none upstream: a plan on fake tensors has no token counts to read "
-        "(plan/routing.py)"
-    ),
-    remove_when="0.2.x era dropped",
-    apply=_apply_even_expert_tokens,
-    on_request=True,  # by `titan-npu plan` only, never in training
-)
+def _plan_even_expert_tokens(name: str, target: str, since: str | None) -> Patch:
+    return Patch(
+        name=name,
+        target=target,
+        kind="wrap",
+        reason=(
+            "fake tensors have no token counts for the experts' loop "
+            "('aten._local_scalar_dense' at .tolist()): a plan spreads the "
+            "routed tokens evenly over the experts"
+        ),
+        eras=(Era.TRAINSPEC,),
+        since=since,
+        upstream_ref=(
+            "none upstream: a plan on fake tensors has no token counts to read "
+            "(plan/routing.py)"
+        ),
+        remove_when="0.2.x era dropped",
+        apply=_apply_even_expert_tokens,
+        on_request=True,  # by `titan-npu plan` only, never in training
+    )
+
+
 # 0.2.x's MoE experts off SM90 CUDA in a plan: the shared loop, gpt_oss's own.
 PLAN_EVEN_EXPERT_TOKENS = [
-    Patch(
-        name="plan_even_expert_tokens",
-        target="torchtitan.models.moe.moe:_run_experts_for_loop",
-        **_PLAN_EVEN_EXPERT_TOKENS,
+    _plan_even_expert_tokens(
+        "plan_even_expert_tokens",
+        "torchtitan.models.moe.moe:_run_experts_for_loop",
+        since=None,
     ),
-    Patch(
-        name="plan_even_gpt_oss_expert_tokens",
-        target="torchtitan.models.gpt_oss.model.moe:_run_experts_for_loop",
+    _plan_even_expert_tokens(
+        "plan_even_gpt_oss_expert_tokens",
+        "torchtitan.models.gpt_oss.model.moe:_run_experts_for_loop",
         since="0.2.2",
-        **_PLAN_EVEN_EXPERT_TOKENS,
     ),
 ]
 

@@ -291,16 +291,17 @@ class LayerCut:
         self.repeats: Repeats | None = None
 
     def __call__(self, model: torch.nn.Module) -> None:
-        layers = list(model.layers.values())  # pyrefly: ignore[not-callable]
+        blocks: Any = model.layers  # a ModuleDict in every upstream decoder
+        layers = list(blocks.values())
         repeats = longest_repeats([layer_kind(layer) for layer in layers])
         if repeats.count < EXTRAPOLATE_FROM:
             return
         self.repeats = repeats
         kept = repeats.kept(len(layers), self.blocks)
-        for name in list(model.layers.keys()):  # pyrefly: ignore[not-callable]
-            del model.layers[name]  # pyrefly: ignore[unsupported-delete]
+        for name in list(blocks.keys()):
+            del blocks[name]
         for i, index in enumerate(kept):  # renumbered: upstream counts them
-            model.layers[str(i)] = layers[index]  # pyrefly: ignore[unsupported-operation]
+            blocks[str(i)] = layers[index]
 
 
 def extrapolate(
