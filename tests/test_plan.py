@@ -339,3 +339,25 @@ def test_plan_prints_the_breakdown_and_plots(tmp_path, capsys):
     for part in ("parameters", "gradients", "optimizer", "activations"):
         assert part in out
     assert plot.stat().st_size > 0
+
+
+def test_a_plan_on_cpu_holds_gloos_reduce_scatter_copy():
+    """gloo reduce-scatters through a copy of the whole input, NCCL and HCCL
+    in place: planned for CPU, FSDP's backward peak is the real gloo run's to
+    the byte."""
+    script = str(Path(__file__).parent / "reduce_scatter_memory.py")
+
+    def peak(*command: str) -> dict:
+        env = {**os.environ, "TITAN_NPU_DEVICE": "cpu"}
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.splitlines()[-1])
+
+    planned = peak(sys.executable, script, "fake")
+    real = peak(
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", "2", script, "real",
+    )  # fmt: skip
+    assert planned == real
+    gradient = 32768 * 64 * 4  # the embedding's whole fp32 gradient
+    assert planned["Total"] >= 2 * gradient  # the reduce-scatter input and its copy

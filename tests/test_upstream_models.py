@@ -3,7 +3,13 @@ model trains): the paths that failed on CPU before a patch filled them."""
 
 import pytest
 import torch
-from support import LOSS, full_suite_only, requires_era, warm_train
+from support import (
+    LOSS,
+    full_suite_only,
+    requires_era,
+    requires_newest_of_era,
+    warm_train,
+)
 
 from torchtitan_npu.bootstrap import activate, deactivate
 
@@ -260,3 +266,38 @@ def test_expert_parallel_trains_on_gloo_as_fsdp_does(launcher, tmp_path):
     assert sorted(ep[LOSS]) == [1, 2]
     for step, loss in fsdp[LOSS].items():
         assert ep[LOSS][step] == pytest.approx(loss, rel=1e-5), (step, ep, fsdp)
+
+
+@requires_era("trainspec")
+@requires_newest_of_era("gpt_oss is in 0.2.2 only of its era")
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "record",
+    ["applied", pytest.param("disabled", marks=full_suite_only("shows the bug"))],
+)
+def test_tp_gives_the_router_its_one_device_gradient(record, tmp_path):
+    """0.2.x under TP 2: gpt_oss's routing scores multiply the experts' partial
+    outputs, so each rank's gradient of them is partial; `moe_tp_score_gradient`
+    sums it over the ranks, and the router gets the one-device gradient
+    (without it each rank keeps its own share: the ranks' replicated routers
+    drift apart, and a resume from the one copy a checkpoint keeps diverges)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "result.json"
+    env = {**os.environ, "TITAN_NPU_DEVICE": "cpu"}
+    if record == "disabled":
+        env["TITAN_NPU_DISABLE_PATCHES"] = "moe_tp_score_gradient"
+    script = Path(__file__).parent / "tp_router.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", str(script), str(out)]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    error = json.loads(out.read_text())["router_grad_error"]
+    if record == "applied":
+        assert error < 1e-4, error  # fp32 (0.2.2's layers on CPU)
+    else:
+        assert error > 0.1, error

@@ -252,11 +252,7 @@ OTHER_MODELS = {
             "arguments: titan-npu refuses it by name",
             "0.2.0": "upstream 0.2.0 has no gpt_oss",
         },
-        {
-            "0.2.2": "resume is not bitwise under TP on 0.2.2 (measured 2026-12-03: "
-            "steps 3-4 after the step-2 resume 3.1e-4 / 1.3e-2 off the "
-            "uninterrupted run, which itself is deterministic); not explained yet"
-        },
+        None,
         _BF16_EXPERTS_RTOL,
     ),
     # the model registry's name, on both eras (0.3.x's config function: moe_debug)

@@ -1,5 +1,7 @@
 """Patches of the TrainSpec era (torchtitan 0.2.x)."""
 
+from typing import Any
+
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.overlay.common import eager_flex_attention, skip_unless_cpu
 from torchtitan_npu.overlay.registry import (
@@ -401,6 +403,81 @@ MOE_GATE_BIAS_INIT = Patch(
     apply=_apply_gate_bias_init,
 )
 
+
+def _apply_tp_score_gradient(target: Target, ctx: PatchContext) -> list[Change]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    original = target.obj
+
+    class SumGradientOverTP(torch.autograd.Function):
+        """Identity forward; backward sums the ranks' partial gradients."""
+
+        @staticmethod
+        def forward(ctx: Any, scores: Any, group: Any) -> Any:
+            ctx.group = group
+            return scores.view_as(scores)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            grad = grads[0].contiguous().clone()
+            dist.all_reduce(grad, group=ctx.group)
+            return grad, None
+
+    def partial_experts_group(moe):
+        """The TP group whose ranks each hold a partial sum of the routed
+        experts' output, where the scores multiply that output (None
+        otherwise: one device, expert parallelism, scores on the input)."""
+        weight = next(moe.experts.parameters())
+        if moe.score_before_experts or not isinstance(weight, DTensor):
+            return None
+        names = weight.device_mesh.mesh_dim_names or ()
+        if "tp" not in names or "ep" in names:
+            return None
+        return weight.device_mesh.get_group("tp")
+
+    def forward(self, x):
+        group = partial_experts_group(self)
+        if group is None:
+            return original(self, x)
+
+        def reduced(module, inputs, outputs):
+            scores, *rest = outputs
+            return (SumGradientOverTP.apply(scores, group), *rest)
+
+        hook = self.router.register_forward_hook(reduced)
+        try:
+            return original(self, x)
+        finally:
+            hook.remove()
+
+    return [Change(target.owner, target.attr, forward)]
+
+
+MOE_TP_SCORE_GRADIENT = Patch(
+    name="moe_tp_score_gradient",
+    target="torchtitan.models.moe.moe:MoE.forward",
+    kind="wrap",
+    reason=(
+        "under TP (no EP) 0.2.x's experts leave each rank a partial sum of their "
+        "output, and where the routing scores multiply that output "
+        "(score_before_experts=False: gpt_oss, deepseek_v3, qwen3) each rank's "
+        "gradient of the scores is partial too and is never summed: the router's "
+        "replicated weights took a different gradient on each TP rank and drifted "
+        "apart (measured: gpt_oss TP 2 on 0.2.2, the ranks' router weights 2.4e-3 "
+        "apart after 2 steps; the checkpoint keeps one rank's copy, so a resume "
+        "was not bitwise). The scores' gradient is summed over the TP group."
+    ),
+    eras=(Era.TRAINSPEC,),
+    upstream_ref=(
+        "none filed (found by the matrix's gpt_oss_tp resume): MoE.forward's "
+        "bmm(top_scores, routed_output) on local partial outputs"
+    ),
+    remove_when="0.2.x era dropped (0.3.x keeps the scores DTensors: Partial)",
+    apply=_apply_tp_score_gradient,
+)
+
 PATCHES = [
     EAGER_FLEX_ATTENTION,
     FLEX_MASK_DEVICE,
@@ -411,6 +488,7 @@ PATCHES = [
     PLAN_PERMUTE_INDICES,
     GPT_OSS_LAYERS_DTYPE,
     MOE_GATE_BIAS_INIT,
+    MOE_TP_SCORE_GRADIENT,
     HF_ADAPTERS,
     QWEN2_MODEL,
     CONVERTERS,

@@ -25,6 +25,7 @@ import torch
 
 from torchtitan_npu.errors import PlanError
 from torchtitan_npu.plan.attention import attention_for
+from torchtitan_npu.plan.collectives import collectives_for
 
 # The memory tracker's categories -> the plan's. What a layout gathers or
 # sends (FSDP's unsharded parameters, TP's gathered activations) is counted
@@ -168,8 +169,8 @@ def tracker(trainer: Any) -> Any:
 
 
 def run_steps(trainer: Any, era_plan: Any, target: str) -> RankMemory:
-    """Two training steps under the tracker, attention as the ``target``
-    device type runs it: the second step's peak and its parts."""
+    """Two training steps under the tracker, attention and collectives as the
+    ``target`` device type runs them: the second step's peak and its parts."""
     size, count = era_plan.microbatches(trainer)
     memory = tracker(trainer)
     peaks: list[dict[str, int]] = []
@@ -192,7 +193,12 @@ def run_steps(trainer: Any, era_plan: Any, target: str) -> RankMemory:
         trainer.optimizers.step()
         phase_peak()
 
-    with memory, attention_for(target), warnings.catch_warnings():
+    with (
+        memory,
+        attention_for(target),
+        collectives_for(target),
+        warnings.catch_warnings(),
+    ):
         # Upstream's MoE router asks CPU autocast for float32, which it cannot
         # do, every layer; the plan computes nothing, so it cannot matter.
         warnings.filterwarnings("ignore", "In CPU autocast", UserWarning)
