@@ -215,6 +215,27 @@ def test_qwen3_5_trains_on_cpu_and_packed_documents_stay_apart(overlay):
         set_spmd_backend(backend)
 
 
+def torchrun_check(script: str, disabled: str | None, tmp_path) -> dict:
+    """A two-rank script of tests/ under torchrun (gloo), with the overlay
+    record ``disabled`` off where given: the JSON rank 0 wrote."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "result.json"
+    env = {**os.environ, "TITAN_NPU_DEVICE": "cpu"}
+    if disabled:
+        env["TITAN_NPU_DISABLE_PATCHES"] = disabled
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", str(Path(__file__).parent / script),
+               str(out)]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 @requires_era("config_registry")
 @pytest.mark.e2e
 @pytest.mark.parametrize(
@@ -226,22 +247,8 @@ def test_gpt_oss_tp_experts_add_their_bias_once(record, tmp_path):
     experts (bf16 rounding apart) and the output bias gets the one-device
     gradient; without `gpt_oss_tp_expert_bias` each rank adds the whole bias
     and its gradient is twice as large (real torchrun, gloo)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    out = tmp_path / "result.json"
-    env = {**os.environ, "TITAN_NPU_DEVICE": "cpu"}
-    if record == "disabled":
-        env["TITAN_NPU_DISABLE_PATCHES"] = "gpt_oss_tp_expert_bias"
-    script = Path(__file__).parent / "tp_experts.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", str(script), str(out)]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    measured = json.loads(out.read_text())
+    disabled = "gpt_oss_tp_expert_bias" if record == "disabled" else None
+    measured = torchrun_check("tp_experts.py", disabled, tmp_path)
     error, ratio = measured["output_error"], measured["bias_grad_ratio"]
     if record == "applied":
         assert error < 1.5e-2, error  # bf16 partial sums (eps 7.8e-3)
@@ -281,22 +288,8 @@ def test_tp_gives_the_router_its_one_device_gradient(record, tmp_path):
     sums it over the ranks, and the router gets the one-device gradient
     (without it each rank keeps its own share: the ranks' replicated routers
     drift apart, and a resume from the one copy a checkpoint keeps diverges)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    out = tmp_path / "result.json"
-    env = {**os.environ, "TITAN_NPU_DEVICE": "cpu"}
-    if record == "disabled":
-        env["TITAN_NPU_DISABLE_PATCHES"] = "moe_tp_score_gradient"
-    script = Path(__file__).parent / "tp_router.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", str(script), str(out)]  # fmt: skip
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    error = json.loads(out.read_text())["router_grad_error"]
+    disabled = "moe_tp_score_gradient" if record == "disabled" else None
+    error = torchrun_check("tp_router.py", disabled, tmp_path)["router_grad_error"]
     if record == "applied":
         assert error < 1e-4, error  # fp32 (0.2.2's layers on CPU)
     else:
