@@ -140,6 +140,8 @@ def test_busy_dump_folder_is_refused_and_a_dead_owner_frees_it(tmp_path):
 def test_failure_line_names_the_root_cause_rank(tmp_path):
     log = tmp_path / "launcher.log"
     torchrun_tail = [
+        "Failures:",
+        "  <NO_OTHER_FAILURES>",
         "Root Cause (first observed failure):",
         "[0]:",
         "  rank      : 1 (local_rank: 1)",
@@ -158,6 +160,34 @@ def test_failure_line_names_the_root_cause_rank(tmp_path):
     line, code = launcher.failure_line(result, tmp_path)
     assert line.startswith("rank 1 failed: ValueError: bad shard; 1 other rank(s)")
     assert code == 1
+
+
+def test_failure_line_puts_a_killed_rank_before_the_peer_it_broke(tmp_path):
+    # torchrun's clock has one-second steps: a rank killed by a signal and
+    # the peer that then raised over the broken connection share a poll, and
+    # torchrun names the lower rank as the root cause.
+    torchrun_tail = [
+        "Failures:",
+        "[1]:",
+        "  rank      : 1 (local_rank: 1)",
+        "  exitcode  : -9 (pid: 4243)",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : 1 (pid: 4242)",
+    ]
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    record = {"rank": "0", "message": "RuntimeError: Connection reset by peer"}
+    (errors / "rank-0.json").write_text(
+        json.dumps({**record, "exitcode": 1, "time": 1})
+    )
+    result = launcher.RunResult(1, tmp_path / "launcher.log", torchrun_tail, 1.0)
+    line, code = launcher.failure_line(result, tmp_path)
+    assert line.startswith(
+        "rank 1 was killed by SIGKILL; 1 other rank(s) failed after it"
+    )
+    assert code == 128 + signal.SIGKILL
 
 
 # End to end: real launchers, torchrun and workers.

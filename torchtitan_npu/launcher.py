@@ -207,13 +207,23 @@ def record_failure(exc: BaseException) -> None:
     path.write_text(json.dumps(record))
 
 
-def _root_cause(lines: list[str]) -> tuple[str, int] | None:
-    """(rank, exit code) of torchrun's "Root Cause (first observed failure)"."""
+def _failures(lines: list[str]) -> list[tuple[str, int]]:
+    """(rank, exit code) of each failure torchrun lists, its root cause first."""
     text = "\n".join(lines)
-    block = text[text.rfind("Root Cause") :] if "Root Cause" in text else ""
-    rank = re.search(r"rank\s*:\s*(\d+)", block)
-    exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", block)
-    return (rank.group(1), int(exitcode.group(1))) if rank and exitcode else None
+    block = text[text.rfind("Failures:") :] if "Failures:" in text else ""
+    found = re.findall(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", block, re.S)
+    failures = [(rank, int(code)) for rank, code in found]
+    return failures[-1:] + failures[:-1]  # torchrun prints the root cause last
+
+
+def _root_cause(lines: list[str], records: dict) -> tuple[str, int] | None:
+    """The failure that started it. torchrun names the first it observed, but
+    its clock has one-second steps: a rank killed by a signal and a peer
+    raising over the broken connection often share a poll. A signal comes from
+    outside the run, so a rank that died of one without raising goes first."""
+    failures = _failures(lines)
+    killed = [f for f in failures if f[1] < 0 and f[0] not in records]
+    return (killed or failures or [None])[0]
 
 
 def failure_line(result: RunResult, run_dir: Path) -> tuple[str, int]:
@@ -224,7 +234,7 @@ def failure_line(result: RunResult, run_dir: Path) -> tuple[str, int]:
     for path in sorted((run_dir / "errors").glob("*.json")):
         record = json.loads(path.read_text())
         records[str(record["rank"])] = record
-    root = _root_cause(result.lines)
+    root = _root_cause(result.lines, records)
     if root is None and records:
         first = min(records.values(), key=lambda r: r["time"])
         root = (str(first["rank"]), int(first["exitcode"]))
