@@ -38,6 +38,19 @@ LAYOUTS = {
     "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2",
                  "--parallelism.data_parallel_shard_degree", "2"]),
     "ep": (2, ["--parallelism.expert_parallel_degree", "2"]),  # MoE models
+    "pp_1f1b": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "1",
+                    "--parallelism.pipeline_parallel_schedule", "1F1B"]),
+    "pp_gpipe": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                     "--parallelism.data_parallel_shard_degree", "1",
+                     "--parallelism.pipeline_parallel_schedule", "GPipe"]),
+    "pp_interleaved": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                           "--parallelism.data_parallel_shard_degree", "1",
+                           "--parallelism.pipeline_parallel_schedule",
+                           "Interleaved1F1B"]),
+    "pp_fsdp": (4, ["--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.data_parallel_shard_degree", "2",
+                    "--parallelism.pipeline_parallel_schedule", "1F1B"]),
 }  # fmt: skip
 
 REAL_SIZES = {
@@ -73,7 +86,7 @@ def mib(value: int) -> str:
 def accuracy(layouts: list[str], model: list[str]) -> None:
     from torchtitan_npu.compat import resolve_upstream
     from torchtitan_npu.config import resolve
-    from torchtitan_npu.plan.estimate import estimate_apart
+    from torchtitan_npu.plan.estimate import estimate
 
     version = resolve_upstream().installed.version
     print(f"torchtitan {version} {' '.join(model)}")
@@ -83,7 +96,7 @@ def accuracy(layouts: list[str], model: list[str]) -> None:
     for name in layouts:
         nproc, overrides = LAYOUTS[name]
         config = resolve(None, model + overrides)
-        predicted = estimate_apart(config, nproc, "cpu").worst
+        planned = estimate(config, nproc, "cpu")
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "config.json").write_text(json.dumps(config))
             command = [
@@ -93,14 +106,24 @@ def accuracy(layouts: list[str], model: list[str]) -> None:
             ]  # fmt: skip
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
-                print(f"| {name} | {nproc} | {mib(predicted.peak)} | run failed |")
+                peak = mib(planned.worst.peak)
+                print(f"| {name} | {nproc} | {peak} | run failed: "
+                      f"{result.stderr.strip().splitlines()[-1:]} |")  # fmt: skip
                 continue
-            rank = json.loads((Path(tmp) / f"rank-{predicted.rank}.json").read_text())
-        error = predicted.peak / rank["peak"] - 1
-        state = "/".join(mib(v) for v in predicted.model_state.values())
-        equal = "yes" if predicted.model_state == rank["model_state"] else "NO"
-        print(f"| {name} | {nproc} | {mib(predicted.peak)} | {mib(rank['peak'])} "
-              f"| {error:+.2%} | {state} | {equal} |", flush=True)  # fmt: skip
+            measured = {
+                r.rank: json.loads((Path(tmp) / f"rank-{r.rank}.json").read_text())
+                for r in planned.ranks  # one per pipeline stage
+            }
+        for predicted in planned.ranks:
+            rank = measured[predicted.rank]
+            error = predicted.peak / rank["peak"] - 1
+            state = "/".join(mib(v) for v in predicted.model_state.values())
+            equal = "yes" if predicted.model_state == rank["model_state"] else "NO"
+            shown = (
+                name if len(planned.ranks) == 1 else f"{name}, rank {predicted.rank}"
+            )
+            print(f"| {shown} | {nproc} | {mib(predicted.peak)} | {mib(rank['peak'])} "
+                  f"| {error:+.2%} | {state} | {equal} |", flush=True)  # fmt: skip
 
 
 def real_sizes() -> None:

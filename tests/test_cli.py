@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from torchtitan_npu.cli import build_parser, torchrun_args
+from torchtitan_npu.cli import build_parser, shown_local_rank, torchrun_args
 
 
 def test_help_does_not_import_torch():
@@ -35,6 +35,15 @@ def test_torchrun_flags_single_node_and_multi_node():
         "--nproc-per-node=1", "--nnodes=2", "--rdzv-backend=c10d",
         "--rdzv-endpoint=head:29400", "--rdzv-id=titan-npu",
     ]  # fmt: skip
+
+
+def test_a_pipelined_launch_shows_the_last_stage_that_computes_the_loss():
+    parser = build_parser()
+    args, _ = parser.parse_known_args(["train", "--nproc-per-node", "4"])
+    assert shown_local_rank({}, args) == 0
+    pipelined = {"parallelism": {"pipeline_parallel_degree": 2}}
+    assert shown_local_rank(pipelined, args) == 3  # ranks 2, 3: the last stage
+    assert "--local-ranks-filter=3" in torchrun_args(args, shown_rank=3)
 
 
 def test_bad_override_is_a_clear_error(capsys):

@@ -38,11 +38,23 @@ def overlay_off_after():
     deactivate()
 
 
-# name -> (processes, overrides): two of the matrix's layouts, the second in
+# name -> (processes, overrides): three of the matrix's layouts, the last in
 # the full suite only (CI time; every layout on both eras: benchmarks/plan.py
 # accuracy, the table in docs/plan.md).
 LAYOUTS = {
     "fsdp_ac_full": (2, ["--activation_checkpoint.mode", "full"]),
+    # llama3's debugmodel interleaves two stages per rank unless told
+    "pp_1f1b": (
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+        ],
+    ),
     "tp": (
         2,
         [
@@ -74,20 +86,27 @@ def measured(overrides: list[str], nproc: int, tmp_path: Path) -> list[dict]:
 @requires_newest_of_era("one validation per era (CI time)")
 @pytest.mark.parametrize(
     "layout",
-    ["fsdp_ac_full", pytest.param("tp", marks=full_suite_only("fsdp_ac_full: CI's"))],
+    [
+        "fsdp_ac_full",
+        "pp_1f1b",
+        pytest.param("tp", marks=full_suite_only("fsdp_ac_full, pp_1f1b: CI's")),
+    ],
 )
 def test_estimate_matches_the_real_steps(layout, tmp_path):
     from torchtitan_npu.plan.estimate import estimate
 
     nproc, overrides = LAYOUTS[layout]
-    predicted = estimate(resolve(None, overrides), nproc, "cpu").worst
-    real = measured(overrides, nproc, tmp_path)
-    rank = next(r for r in real if r["rank"] == predicted.rank)
-    assert predicted.model_state == rank["model_state"]
-    assert predicted.model_state["optimizer"] == 2 * predicted.model_state["parameters"]
-    error = predicted.peak / rank["peak"] - 1
-    assert abs(error) <= PEAK_RTOL, (layout, predicted.peak, rank["peak"])
-    assert sum(predicted.parts.values()) == predicted.peak
+    ranks = estimate(resolve(None, overrides), nproc, "cpu").ranks
+    real = {r["rank"]: r for r in measured(overrides, nproc, tmp_path)}
+    assert len(ranks) == (2 if layout.startswith("pp") else 1)  # one per stage
+    for predicted in ranks:
+        rank = real[predicted.rank]
+        state = predicted.model_state
+        assert state == rank["model_state"]
+        assert state["optimizer"] == 2 * state["parameters"]
+        error = predicted.peak / rank["peak"] - 1
+        assert abs(error) <= PEAK_RTOL, (layout, predicted.peak, rank["peak"])
+        assert sum(predicted.parts.values()) == predicted.peak
 
 
 def test_sharding_divides_the_model_state():
@@ -109,9 +128,9 @@ EP_2 = ["--parallelism.expert_parallel_degree", "2"]
 PLANNED_APART = """
 import json, sys
 from torchtitan_npu.config import resolve
-from torchtitan_npu.plan.estimate import estimate_apart
+from torchtitan_npu.plan.estimate import estimate
 for overrides, ranks, all_layers in json.loads(sys.argv[1]):
-    worst = estimate_apart(resolve(None, overrides), ranks, "cpu", all_layers).worst
+    worst = estimate(resolve(None, overrides), ranks, "cpu", all_layers).worst
     print(json.dumps({"peak": worst.peak, "parts": worst.parts,
                       "model_state": worst.model_state, "sampled": worst.sampled}))
 """
@@ -263,6 +282,33 @@ def test_search_ranks_fits_then_misses(tmp_path):
     assert result.stderr.count("[1/3]") >= 1 and plot.stat().st_size > 0
 
 
+def test_search_pipelines_only_where_nothing_fits_without():
+    from torchtitan_npu.plan.search import layer_count, pipeline_degrees
+
+    assert layer_count(resolve(None, [])) == 6  # llama3 debugmodel
+    assert pipeline_degrees(8, 6, pipelined=False) == [1]
+    assert pipeline_degrees(8, 6, pipelined=True) == [2, 4]  # 8 stages: 6 layers
+    assert pipeline_degrees(6, 6, pipelined=True) == [2, 3, 6]
+
+
+@pytest.mark.e2e
+@full_suite_only("test_search_pipelines_only_where_nothing_fits_without")
+def test_search_tries_pipeline_parallelism_when_nothing_fits():
+    command = [
+        sys.executable, "-m", "torchtitan_npu.cli", "plan", "--search",
+        "--nproc-per-node", "1", "--nnodes", "2", "--device-memory", "1MiB",
+        "--training.local_batch_size", "1",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no layout without pipeline parallelism fits: trying pp" in result.stderr
+    rows = [re.split(r"\s{2,}", line) for line in result.stdout.splitlines()]
+    layouts = {(r[0], r[1]) for r in rows if r[0].startswith("fsdp ")}
+    ac = ("none", "selective", "full")
+    assert layouts == {(name, a) for name in ("fsdp 2", "fsdp 1 x pp 2") for a in ac}
+    assert all("misses" in r[-1] for r in rows if r[0].startswith("fsdp "))
+
+
 @requires_era("config_registry")  # 0.2.x does not plan EP: the config's own
 def test_search_varies_expert_parallelism_for_moe_models_only():
     """The EP degrees a search plans: those dividing both the FSDP degree and
@@ -318,9 +364,9 @@ def test_device_names():
         (["--device-name", "Ascend999"], "unknown --device-name 'Ascend999'; known:"),
         (["--nproc-per-node", "3", "--parallelism.tensor_parallel_degree", "2"],
          "needs a multiple of 2 processes, but this launch has 3"),
-        (["--nproc-per-node", "2", "--parallelism.pipeline_parallel_degree", "2",
+        (["--nproc-per-node", "2", "--parallelism.context_parallel_degree", "2",
           "--parallelism.data_parallel_shard_degree", "1"],
-         "pp 2 cannot be planned yet"),
+         "cp 2 cannot be planned yet"),
         (["--search"], "--search needs --device-memory or --device-name"),
     ],
 )  # fmt: skip

@@ -47,7 +47,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         resolved = dump_folder / "titan_npu_config.json"
         resolved.write_text(json.dumps(config, indent=2))
         command = [sys.executable, "-m", "torch.distributed.run"]
-        command += [*torchrun_args(args), "-m", "torchtitan_npu.entry", str(resolved)]
+        flags = torchrun_args(args, shown_rank=shown_local_rank(config, args))
+        command += [*flags, "-m", "torchtitan_npu.entry", str(resolved)]
         print(f"titan-npu: training, log in {run_dir / 'launcher.log'}", flush=True)
         assert lock.fd is not None  # held until the run ends
         result = launcher.supervise(
@@ -73,13 +74,13 @@ def _plan_before_training(config: dict, world_size: int | None) -> None:
     starts) when it exceeds this machine's device memory."""
     from torchtitan_npu.distributed import select_device_type
     from torchtitan_npu.plan import devices, report
-    from torchtitan_npu.plan.estimate import estimate_apart
+    from torchtitan_npu.plan.estimate import estimate
 
     if world_size is None:
         print("titan-npu: plan: skipped (elastic --nnodes MIN:MAX)", flush=True)
         return
     device_type = select_device_type()
-    worst = estimate_apart(config, world_size, device_type).worst
+    worst = estimate(config, world_size, device_type).worst
     memory = devices.local_device_memory(device_type)
     fit = report.verdict(worst.peak, memory) if memory else f"{device_type}: no limit"
     print(
@@ -184,8 +185,19 @@ def _measure(config: dict, args: argparse.Namespace) -> list[dict]:
         return [json.loads(p.read_text()) for p in ranks]
 
 
-def torchrun_args(args: argparse.Namespace) -> list[str]:
-    """torchrun flags: standalone on one node, c10d rendezvous across nodes."""
+def shown_local_rank(config: dict, args: argparse.Namespace) -> int:
+    """The local rank whose output a launch shows: 0, or under pipeline
+    parallelism the node's last (the last stage's ranks come last, and only
+    they compute the loss)."""
+    pp = config.get("parallelism", {}).get("pipeline_parallel_degree", 1)
+    if pp == 1 or not args.nproc_per_node.isdigit():
+        return 0
+    return int(args.nproc_per_node) - 1
+
+
+def torchrun_args(args: argparse.Namespace, shown_rank: int = 0) -> list[str]:
+    """torchrun flags: standalone on one node, c10d rendezvous across nodes;
+    the output of local rank ``shown_rank`` only, unless all are asked for."""
     flags = [f"--nproc-per-node={args.nproc_per_node}"]
     if args.nnodes == "1" and not args.rdzv_endpoint:
         flags.append("--standalone")
@@ -197,7 +209,7 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
             f"--rdzv-id={args.rdzv_id}",
         ]
     if not args.log_all_ranks:
-        flags.append("--local-ranks-filter=0")
+        flags.append(f"--local-ranks-filter={shown_rank}")
     return flags
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -371,6 +372,89 @@ NPU_PROFILER_SCHEDULE = Patch(
     skip=skip_unless_npu,
 )
 
+# Pipeline parallelism in a plan: its stages' first-step messages kept in
+# the planning process (plan/pipeline.py).
+_PIPELINING = "torch.distributed.pipelining"
+_PLAN_PIPELINE = dict(
+    eras=ALL_ERAS,
+    upstream_ref=(
+        "none upstream: a fake process group carries no messages; torch >= 2.14 "
+        "plans pipelines on one only from complete static stage metadata"
+    ),
+    remove_when=(
+        "never while plans run under a fake process group (the untracked "
+        "inference: once torch's memory tracker follows autograd.grad)"
+    ),
+    on_request=True,  # by `titan-npu plan` only, never in training
+)
+
+
+def _plan_pipeline(make: str) -> Callable[[Target, PatchContext], list[Change]]:
+    def apply(target: Target, ctx: PatchContext) -> list[Change]:
+        from torchtitan_npu.plan import pipeline
+
+        wrapped = getattr(pipeline, make)(target.obj)
+        return [Change(target.owner, target.attr, wrapped)]
+
+    return apply
+
+
+PLAN_PIPELINE = [
+    Patch(
+        name="plan_pipeline_inference",
+        target=f"{_PIPELINING}.schedules:_PipelineSchedule._warmup_p2p",
+        reason=(
+            "pipeline stages vote over the process group whether their shapes "
+            "must be inferred: over a fake group a plan's stages infer them"
+        ),
+        kind="wrap",
+        apply=_plan_pipeline("inference_without_vote"),
+        **_PLAN_PIPELINE,
+    ),
+    Patch(
+        name="plan_pipeline_untracked_inference",
+        target=f"{_PIPELINING}.schedules:_PipelineSchedule._initialize_pp_stages",
+        reason=(
+            "the memory tracker's module hooks cannot follow the gradient a "
+            "stage infers its shapes by: a plan's (or its measurement's) first "
+            "step infers them untracked"
+        ),
+        kind="wrap",
+        apply=_plan_pipeline("untracked"),
+        **_PLAN_PIPELINE,
+    ),
+    Patch(
+        name="plan_pipeline_send",
+        target=f"{_PIPELINING}.stage:PipelineStage._send_meta",
+        reason="a plan keeps the shapes a stage sends for the stage it sends them to",
+        kind="wrap",
+        apply=_plan_pipeline("keeping_sent"),
+        **_PLAN_PIPELINE,
+    ),
+    Patch(
+        name="plan_pipeline_receive",
+        target=f"{_PIPELINING}.stage:PipelineStage._recv_meta",
+        reason=(
+            "a fake group delivers nothing: a plan's stage receives the shapes "
+            "kept for it"
+        ),
+        kind="wrap",
+        apply=_plan_pipeline("receiving_kept"),
+        **_PLAN_PIPELINE,
+    ),
+    Patch(
+        name="plan_pipeline_p2p_held",
+        target=f"{_PIPELINING}.schedules:_batch_p2p",
+        reason=(
+            "a real group's work holds the activations a stage sends until the "
+            "schedule drops it, a fake group's nothing: a plan's works hold them"
+        ),
+        kind="wrap",
+        apply=_plan_pipeline("holding_p2p"),
+        **_PLAN_PIPELINE,
+    ),
+]
+
 PATCHES = [
     DEVICE,
     FSDP_SUM_REDUCTION,
@@ -380,4 +464,5 @@ PATCHES = [
     PEAK_FLOPS,
     NPU_PROFILER,
     NPU_PROFILER_SCHEDULE,
+    *PLAN_PIPELINE,
 ]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from torchtitan_npu.errors import PlanError
+from torchtitan_npu.plan import pipeline
 from torchtitan_npu.plan.attention import attention_for
 from torchtitan_npu.plan.collectives import collectives_for
 
@@ -409,39 +410,66 @@ def estimate(
     progress: Callable[[str], None] = lambda line: None,
 ) -> Estimate:
     """Plan a resolved project config on ``world_size`` devices of type
-    ``target``: the first rank of every pipeline stage, on fake tensors
-    (``all_layers``: step every layer, extrapolate none; ``progress``: a line
-    per step of a deep model sampled)."""
+    ``target``: the first rank of every pipeline stage, on fake tensors, in
+    stage order (``all_layers``: step every layer, extrapolate none;
+    ``progress``: a line per step of a deep model sampled).
+
+    Each rank is simulated in a forked child of this process: upstream keeps
+    per-process state of a built run (meshes, caches) that the next rank or
+    layout would inherit. The children start with everything imported and
+    hand back, beside their memory, what their pipeline stages sent."""
     from torchtitan_npu.bootstrap import activate
-    from torchtitan_npu.compat import resolve_upstream
     from torchtitan_npu.overlay import OVERLAY
 
     activate()  # the overlay trains on CPU: planning runs there
     plan = era_plan()
-    for record in plan.SIMULATION_RECORDS:
+    for record in (*SIMULATION_RECORDS, *plan.SIMULATION_RECORDS):
         OVERLAY.apply_on_request(record)
-    upstream = plan.upstream_config(config, resolve_upstream().installed.version)
+    pipeline.MESSAGES.clear()
     start = time.perf_counter()
-    ranks, dims = [], None
-    pp = plan.pipeline_degree(upstream)
+    ranks, layout = [], {}
+    pp = plan.pipeline_degree(upstream_config(plan, config))
     for rank in [stage * (world_size // pp) for stage in range(pp)]:
-        with fake_world(world_size, rank):
-            dims = plan.parallel_dims(upstream, world_size)
-            refuse_unplannable(dims, {**UNPLANNABLE, **plan.UNPLANNABLE})
-            dims.build_mesh()
-            try:
-                ranks.append(
-                    simulate(plan, upstream, dims, target, all_layers, progress)
-                )
-            except PlanError:
-                raise
-            except Exception as e:
-                raise PlanError(
-                    f"{layout_name(degrees(dims))} could not be simulated "
-                    f"({summary(e)}); please report it with the command line"
-                ) from e
-    assert dims is not None
-    return Estimate(degrees(dims), ranks, time.perf_counter() - start)
+        args = (plan, config, world_size, rank, target, all_layers, progress)
+        memory, layout, messages = in_child(simulate_rank, *args)
+        ranks.append(memory)
+        pipeline.MESSAGES.update(messages)
+    return Estimate(layout, ranks, time.perf_counter() - start)
+
+
+def upstream_config(plan: ModuleType, config: dict[str, Any]) -> Any:
+    """The era's upstream config of a resolved project config."""
+    from torchtitan_npu.compat import resolve_upstream
+
+    return plan.upstream_config(config, resolve_upstream().installed.version)
+
+
+def simulate_rank(
+    plan: ModuleType,
+    config: dict[str, Any],
+    world_size: int,
+    rank: int,
+    target: str,
+    all_layers: bool,
+    progress: Callable[[str], None],
+) -> tuple[RankMemory, dict[str, int], dict]:
+    """One rank in its fake world: its memory, the layout's degrees and the
+    messages its pipeline stages sent."""
+    upstream = upstream_config(plan, config)
+    with fake_world(world_size, rank):
+        dims = plan.parallel_dims(upstream, world_size)
+        refuse_unplannable(dims, {**UNPLANNABLE, **plan.UNPLANNABLE})
+        dims.build_mesh()
+        try:
+            memory = simulate(plan, upstream, dims, target, all_layers, progress)
+        except PlanError:
+            raise
+        except Exception as e:
+            raise PlanError(
+                f"{layout_name(degrees(dims))} could not be simulated "
+                f"({summary(e)}); please report it with the command line"
+            ) from e
+        return memory, degrees(dims), pipeline.MESSAGES
 
 
 def summary(error: BaseException) -> str:
@@ -450,19 +478,13 @@ def summary(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}"
 
 
-def estimate_apart(
-    config: dict[str, Any], world_size: int, target: str, all_layers: bool = False
-) -> Estimate:
-    """``estimate`` in a forked child: upstream keeps per-process state of a
-    built run (meshes, caches) that a second layout in the same process
-    would inherit. The child starts with everything imported."""
+def in_child(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` in a forked child; its errors as a PlanError."""
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(
-        target=_estimate_into, args=(send, config, world_size, target, all_layers)
-    )
+    child = context.Process(target=_call_into, args=(send, function, *args))
     child.start()
     send.close()
     try:
@@ -472,15 +494,12 @@ def estimate_apart(
     child.join()
     if kind == "error":
         raise PlanError(value)
-    assert isinstance(value, Estimate)
     return value
 
 
-def _estimate_into(
-    send: Any, config: dict[str, Any], world_size: int, target: str, all_layers: bool
-) -> None:
+def _call_into(send: Any, function: Callable[..., Any], *args: Any) -> None:
     try:
-        send.send(("ok", estimate(config, world_size, target, all_layers)))
+        send.send(("ok", function(*args)))
     except Exception as e:  # noqa: BLE001 - reported by the parent
         send.send(("error", str(e) if isinstance(e, PlanError) else summary(e)))
 
@@ -490,21 +509,35 @@ def measure(config: dict[str, Any], device: torch.device) -> RankMemory:
     group: what the estimate predicts, measured by the same tracker."""
     import torch.distributed as dist
 
-    from torchtitan_npu.compat import resolve_upstream
+    from torchtitan_npu.overlay import OVERLAY
 
+    for record in TRACKER_RECORDS:
+        OVERLAY.apply_on_request(record)
     plan = era_plan()
-    upstream = plan.upstream_config(config, resolve_upstream().installed.version)
+    upstream = upstream_config(plan, config)
     dims = plan.parallel_dims(upstream, dist.get_world_size())
     dims.build_mesh()
     trainer = plan.build(upstream, dims, device, contextlib.nullcontext())
     return run_steps(trainer, plan, device.type)
 
 
+# Overlay records applied while the memory tracker follows a step, on real
+# tensors as on fake ones: pipeline stages infer their shapes untracked; and
+# those applied while a plan is computed on every era (plan/<era>.py's
+# SIMULATION_RECORDS add the era's own): pipeline stages' first-step messages
+# are kept in the planning process (plan/pipeline.py).
+TRACKER_RECORDS = ("plan_pipeline_untracked_inference",)
+SIMULATION_RECORDS = (
+    *TRACKER_RECORDS,
+    "plan_pipeline_inference",
+    "plan_pipeline_send",
+    "plan_pipeline_receive",
+    "plan_pipeline_p2p_held",
+)
+
 # Layouts the fake process group cannot simulate yet on any era, and why
 # (plan/<era>.py's UNPLANNABLE adds the era's own).
 UNPLANNABLE = {
-    "pp": "its stages learn their activation shapes from each other over the "
-    "process group at the first step",
     "cp": "its attention is compiled, which the memory tracker cannot follow",
 }
 

@@ -68,8 +68,11 @@ def ranking(candidates: list[Candidate], memory: int, world_size: int) -> str:
     lack, then those upstream refused."""
     rows = []
     for c in candidates:
-        layout = f"fsdp {world_size // c.tp}" + (f" x tp {c.tp}" if c.tp > 1 else "")
-        layout += f" x ep {c.ep}" if c.ep > 1 else ""
+        layout = f"fsdp {world_size // (c.tp * c.pp)}" + "".join(
+            f" x {name} {d}"
+            for name, d in (("pp", c.pp), ("tp", c.tp), ("ep", c.ep))
+            if d > 1
+        )
         if c.estimate is None:
             rows.append([layout, c.ac, c.local_batch, "-", f"cannot run: {c.failure}"])
             continue
@@ -88,7 +91,8 @@ def bars(candidates: list[Candidate]) -> list[tuple[str, RankMemory]]:
     """(label, worst rank) of each planned candidate, for ``plot``."""
     return [
         (
-            f"tp{c.tp}{f' ep{c.ep}' if c.ep > 1 else ''} {c.ac}\nbatch {c.local_batch}",
+            f"{f'pp{c.pp} ' if c.pp > 1 else ''}tp{c.tp}"
+            f"{f' ep{c.ep}' if c.ep > 1 else ''} {c.ac}\nbatch {c.local_batch}",
             c.estimate.worst,
         )
         for c in candidates

@@ -180,6 +180,14 @@ def forward_backward(trainer: Any, inputs: list, labels: list, tokens: Any) -> N
     step(**kwargs)
 
 
+def pp_mesh(dims: Any) -> Any:
+    """The pipeline's mesh as the release's Trainer finds it (0.2.1 on:
+    get_optional_mesh; 0.2.0: a slice of the world mesh)."""
+    if hasattr(dims, "get_optional_mesh"):
+        return dims.get_optional_mesh("pp")
+    return dims.world_mesh["pp"] if dims.pp_enabled else None
+
+
 def clip_grad_norm(trainer: Any) -> None:
     from torchtitan.distributed import utils as dist_utils
 
@@ -188,6 +196,6 @@ def clip_grad_norm(trainer: Any) -> None:
         [p for m in trainer.model_parts for p in m.parameters()],
         trainer.job_config.training.max_norm,
         foreach=True,
-        pp_mesh=dims.world_mesh["pp"] if dims.pp_enabled else None,
+        pp_mesh=pp_mesh(dims),
         ep_enabled=dims.ep_enabled,
     )
