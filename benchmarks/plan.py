@@ -38,6 +38,10 @@ LAYOUTS = {
     "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2",
                  "--parallelism.data_parallel_shard_degree", "2"]),
     "ep": (2, ["--parallelism.expert_parallel_degree", "2"]),  # MoE models
+    # flex attention's CP needs whole 128-token blocks per load-balanced half
+    "cp": (2, ["--parallelism.context_parallel_degree", "2",
+               "--parallelism.data_parallel_shard_degree", "1",
+               "--training.seq_len", "512"]),
     "pp_1f1b": (2, ["--parallelism.pipeline_parallel_degree", "2",
                     "--parallelism.data_parallel_shard_degree", "1",
                     "--parallelism.pipeline_parallel_schedule", "1F1B"]),

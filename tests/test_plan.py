@@ -38,8 +38,8 @@ def overlay_off_after():
     deactivate()
 
 
-# name -> (processes, overrides): three of the matrix's layouts, the last in
-# the full suite only (CI time; every layout on both eras: benchmarks/plan.py
+# name -> (processes, overrides): four of the matrix's layouts, the last two
+# in the full suite only (CI time; every layout on both eras: benchmarks/plan.py
 # accuracy, the table in docs/plan.md).
 LAYOUTS = {
     "fsdp_ac_full": (2, ["--activation_checkpoint.mode", "full"]),
@@ -53,6 +53,18 @@ LAYOUTS = {
             "1",
             "--parallelism.pipeline_parallel_schedule",
             "1F1B",
+        ],
+    ),
+    # flex attention's CP needs whole 128-token blocks per load-balanced half
+    "cp": (
+        2,
+        [
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--training.seq_len",
+            "512",
         ],
     ),
     "tp": (
@@ -89,13 +101,19 @@ def measured(overrides: list[str], nproc: int, tmp_path: Path) -> list[dict]:
     [
         "fsdp_ac_full",
         "pp_1f1b",
-        pytest.param("tp", marks=full_suite_only("fsdp_ac_full, pp_1f1b: CI's")),
+        *(
+            pytest.param(layout, marks=full_suite_only("fsdp_ac_full, pp_1f1b: CI's"))
+            for layout in ("cp", "tp")
+        ),
     ],
 )
 def test_estimate_matches_the_real_steps(layout, tmp_path):
+    from torchtitan_npu.compat import resolve_upstream
     from torchtitan_npu.plan.estimate import estimate
 
     nproc, overrides = LAYOUTS[layout]
+    if layout == "cp" and resolve_upstream().era == "trainspec":  # 0.2.x: SDPA
+        overrides = [*overrides, "--model.flavor", "debugmodel_flex_attn"]
     ranks = estimate(resolve(None, overrides), nproc, "cpu").ranks
     real = {r["rank"]: r for r in measured(overrides, nproc, tmp_path)}
     assert len(ranks) == (2 if layout.startswith("pp") else 1)  # one per stage
@@ -364,9 +382,6 @@ def test_device_names():
         (["--device-name", "Ascend999"], "unknown --device-name 'Ascend999'; known:"),
         (["--nproc-per-node", "3", "--parallelism.tensor_parallel_degree", "2"],
          "needs a multiple of 2 processes, but this launch has 3"),
-        (["--nproc-per-node", "2", "--parallelism.context_parallel_degree", "2",
-          "--parallelism.data_parallel_shard_degree", "1"],
-         "cp 2 cannot be planned yet"),
         (["--search"], "--search needs --device-memory or --device-name"),
     ],
 )  # fmt: skip

@@ -8,6 +8,13 @@ log-sum-exp; backward makes the three input gradients.
 (and ``fused_varlen_attention`` in 0.3's varlen attention's) while a plan for
 such a device is computed (shapes only: it is never used to train).
 
+Context parallelism shards flex attention's block mask per rank with a
+compiled ``create_block_mask``, which torch.compile refuses to trace under
+the memory tracker: a plan builds a block mask of its shapes instead (fake
+tensors have no mask values to compute, and the attention's memory does not
+depend on them), and a measurement builds the real one uncompiled
+(``cp_block_mask``).
+
 Varlen attention's document boundaries are read from the batch's positions
 as values; a plan's batch is one document per row, so they are computed from
 the positions' shape (``document_per_row``, record ``plan_varlen_metadata``).
@@ -84,15 +91,58 @@ def document_per_row(create: Any) -> Any:
     return planned
 
 
+def cp_block_mask(
+    mask_mod: Any,
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: str = "cpu",
+    BLOCK_SIZE: int | tuple[int, int] = 128,
+) -> Any:
+    """``create_block_mask`` as context parallelism calls it compiled: on
+    fake tensors a block mask of its shapes (every block computed), on real
+    ones the real mask, uncompiled."""
+    import math
+
+    from torch._guards import active_fake_mode
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    if active_fake_mode() is None:
+        return create_block_mask(
+            mask_mod, B, H, Q_LEN, KV_LEN, device=device, BLOCK_SIZE=BLOCK_SIZE
+        )
+    q_size, kv_size = BLOCK_SIZE if isinstance(BLOCK_SIZE, tuple) else 2 * (BLOCK_SIZE,)
+    rows, columns = math.ceil(Q_LEN / q_size), math.ceil(KV_LEN / kv_size)
+    shape = (B or 1, H or 1, rows)
+    counts = torch.full(shape, columns, dtype=torch.int32, device=device)
+    indices = torch.arange(columns, dtype=torch.int32, device=device)
+    return BlockMask.from_kv_blocks(
+        counts,
+        indices.expand(*shape, columns).contiguous(),
+        BLOCK_SIZE=(q_size, kv_size),
+        mask_mod=mask_mod,
+        seq_lengths=(Q_LEN, KV_LEN),
+    )
+
+
 @contextlib.contextmanager
 def attention_for(device_type: str) -> Iterator[None]:
     """Flex and varlen attention as ``device_type`` runs them, for the
     duration of a plan: eager (flex uncompiled: torch.compile refuses to
-    trace under the memory tracker) on CPU, fused elsewhere."""
+    trace under the memory tracker) on CPU, fused elsewhere; context
+    parallelism's block masks uncompiled (``cp_block_mask``)."""
+    from torch.distributed.tensor.experimental._context_parallel import (
+        _attention as cp_attention,
+    )
     from torch.nn.attention import flex_attention as module
 
-    saved = [(module, name, getattr(module, name)) for name in _NAMES]
+    saved: list[tuple[Any, str, Any]] = [
+        (module, name, getattr(module, name)) for name in _NAMES
+    ]
+    saved.append((cp_attention, _CP_MASK, getattr(cp_attention, _CP_MASK)))
     setattr(module, _UNCOMPILED, True)
+    setattr(cp_attention, _CP_MASK, cp_block_mask)
     if device_type != "cpu":
         module.flex_attention = fused_flex_attention
         varlen = _varlen_module()
@@ -118,3 +168,4 @@ def _varlen_module() -> Any:
 
 _UNCOMPILED = "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"  # torch calls the op as is
 _NAMES = (_UNCOMPILED, "flex_attention")
+_CP_MASK = "_compiled_create_block_mask"  # built once, then called as is

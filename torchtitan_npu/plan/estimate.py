@@ -535,11 +535,9 @@ SIMULATION_RECORDS = (
     "plan_pipeline_p2p_held",
 )
 
-# Layouts the fake process group cannot simulate yet on any era, and why
-# (plan/<era>.py's UNPLANNABLE adds the era's own).
-UNPLANNABLE = {
-    "cp": "its attention is compiled, which the memory tracker cannot follow",
-}
+# Layouts the fake process group cannot simulate yet on every era, and why:
+# none (plan/<era>.py's UNPLANNABLE adds the era's own).
+UNPLANNABLE: dict[str, str] = {}
 
 
 def refuse_unplannable(dims: Any, unplannable: dict[str, str]) -> None:
