@@ -206,16 +206,23 @@ def test_expert_parallel_routes_evenly_and_divides_the_model_state():
     from torchtitan_npu.bootstrap import activate
     from torchtitan_npu.compat import resolve_upstream
     from torchtitan_npu.compat.era import Era
+    from torchtitan_npu.errors import PlanError
     from torchtitan_npu.overlay import OVERLAY
     from torchtitan_npu.plan.estimate import estimate
 
-    if resolve_upstream().era != Era.CONFIG_REGISTRY:  # refused before building
-        with pytest.raises(ValueError, match="ep 2 cannot be planned yet"):
+    upstream = resolve_upstream()
+    if upstream.installed.version == "0.2.0":  # upstream refuses, as in training
+        with pytest.raises(
+            PlanError, match="grouped mm, which is only supported on SM90"
+        ):
             estimate(resolve(None, MOE + EP_2), 4, "cpu")
         return
     activate()
     planning = {r.patch.name: r.state for r in OVERLAY.status}
-    for name in ("plan_routed_tokens", "plan_even_splits"):
+    even = ("plan_routed_tokens", "plan_even_splits")
+    for name in (
+        even if upstream.era == Era.CONFIG_REGISTRY else ("plan_even_ep_splits",)
+    ):
         assert planning[name] == "on request", name
     single, planned = planned_apart((MOE, 1, False), (MOE + EP_2, 4, False))
     for part, value in single["model_state"].items():
@@ -327,7 +334,6 @@ def test_search_tries_pipeline_parallelism_when_nothing_fits():
     assert all("misses" in r[-1] for r in rows if r[0].startswith("fsdp "))
 
 
-@requires_era("config_registry")  # 0.2.x does not plan EP: the config's own
 def test_search_varies_expert_parallelism_for_moe_models_only():
     """The EP degrees a search plans: those dividing both the FSDP degree and
     the routed experts for a MoE model; the config's own for a dense one."""

@@ -303,6 +303,34 @@ PLAN_EVEN_EXPERT_TOKENS = [
 ]
 
 
+def _apply_even_ep_splits(target: Target, ctx: PatchContext) -> list[Change]:
+    import sys
+
+    from torchtitan_npu.plan.routing import even_expert_parallel_dispatch
+
+    permute = sys.modules[target.owner.__module__]._permute  # as upstream imports it
+    return [Change(target.owner, target.attr, even_expert_parallel_dispatch(permute))]
+
+
+PLAN_EVEN_EP_SPLITS = Patch(
+    name="plan_even_ep_splits",
+    target="torchtitan.distributed.expert_parallel:ExpertParallel._token_dispatch",
+    kind="replace",
+    reason=(
+        "fake tensors have no token counts for the EP all-to-all's splits "
+        "('aten._local_scalar_dense' at .tolist()): a plan routes evenly"
+    ),
+    eras=(Era.TRAINSPEC,),
+    upstream_ref=(
+        "none upstream: a plan on fake tensors has no token counts to read "
+        "(plan/routing.py)"
+    ),
+    remove_when="0.2.x era dropped",
+    apply=_apply_even_ep_splits,
+    on_request=True,  # by `titan-npu plan` only, never in training
+)
+
+
 def _apply_unfilled_permute_indices(target: Target, ctx: PatchContext) -> list[Change]:
     from torchtitan_npu.plan.routing import unfilled_permute_indices
 
@@ -486,6 +514,7 @@ PATCHES = [
     MOE_PERMUTE_ON_CPU,
     *PLAN_EVEN_EXPERT_TOKENS,
     PLAN_PERMUTE_INDICES,
+    PLAN_EVEN_EP_SPLITS,
     GPT_OSS_LAYERS_DTYPE,
     MOE_GATE_BIAS_INIT,
     MOE_TP_SCORE_GRADIENT,

@@ -11,6 +11,8 @@ the ranks that receive more. Used by the overlay's on-request records
 ``plan_routed_tokens`` and ``plan_even_splits``, applied only while a plan
 is computed.
 
+0.2.x's expert parallelism sizes its all-to-all the same way, inside its
+dispatch: a plan's dispatch splits evenly (record ``plan_even_ep_splits``).
 0.2.x's experts on CPU (and on every device but SM90 CUDA) run as a loop
 over the experts that reads the tokens per expert the same way; a plan
 spreads the routed tokens evenly over the experts (record
@@ -85,6 +87,34 @@ def evenly_routed_experts(run_experts: Callable[..., Any]) -> Callable[..., Any]
         return run_experts(*bound.args, **bound.kwargs)
 
     return planned_experts
+
+
+def even_expert_parallel_dispatch(permute: Callable[..., Any]) -> Callable[..., Any]:
+    """0.2.x's ``ExpertParallel._token_dispatch`` with even splits: this rank
+    sends its routed tokens evenly over the EP ranks and receives as many
+    (upstream exchanges the counts and reads them with ``.tolist()``); the
+    received tokens are then ordered by expert as upstream orders them
+    (``permute``: its ``_permute``)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    def planned_dispatch(
+        self: Any, mod: Any, inputs: tuple, device_mesh: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        routed_input, num_tokens_per_expert = inputs
+        ranks = device_mesh.shape[0]
+        self.input_splits = even_splits(routed_input.shape[0], ranks)
+        self.output_splits = list(self.input_splits)
+        routed_input = all_to_all_single_autograd(
+            routed_input, self.output_splits, self.input_splits, device_mesh.get_group()
+        )
+        received = torch.empty_like(num_tokens_per_expert)  # counts from every rank
+        local_experts = num_tokens_per_expert.shape[0] // ranks
+        self.input_shape, routed_input, self.permuted_indices, received = permute(
+            routed_input, received, ranks, local_experts
+        )
+        return routed_input, received
+
+    return planned_dispatch
 
 
 def unfilled_permute_indices(

@@ -16,19 +16,17 @@ from torchtitan.train import Trainer
 
 from torchtitan_npu.plan.estimate import materialize
 
-# Overlay records applied while a plan is computed: MoE experts get their
-# tokens evenly, the grouped experts' token order unfilled (plan/routing.py;
-# gpt_oss's from 0.2.2); and the layouts 0.2.x cannot be planned in beyond
-# estimate.UNPLANNABLE.
+# Overlay records applied while a plan is computed: expert parallelism's
+# all-to-all splits evenly, MoE experts get their tokens evenly, the grouped
+# experts' token order unfilled (plan/routing.py; gpt_oss's from 0.2.2). No
+# layout is unplannable beyond estimate's.
 SIMULATION_RECORDS = (
+    "plan_even_ep_splits",
     "plan_even_expert_tokens",
     "plan_even_gpt_oss_expert_tokens",
     "plan_permute_indices",
 )
-UNPLANNABLE = {
-    "ep": "0.2.x's expert-parallel dispatch reads its token counts as values, "
-    "which fake tensors do not have",
-}
+UNPLANNABLE: dict[str, str] = {}
 
 
 def upstream_config(config: dict[str, Any], version: str) -> Any:
