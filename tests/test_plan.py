@@ -94,6 +94,34 @@ def measured(overrides: list[str], nproc: int, tmp_path: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
 
 
+# Each layout planned apart, in a fresh process: a plan forks a process per
+# simulated rank, which torch refuses where autograd has run (as in a test
+# process that trained).
+PLANNED_APART = """
+import dataclasses, json, sys
+from torchtitan_npu.config import resolve
+from torchtitan_npu.errors import PlanError
+from torchtitan_npu.plan.estimate import estimate
+for overrides, ranks, all_layers in json.loads(sys.argv[1]):
+    try:
+        planned = estimate(resolve(None, overrides), ranks, "cpu", all_layers)
+    except PlanError as e:
+        print(json.dumps({"error": str(e)}))
+        continue
+    ranks = [dataclasses.asdict(r) for r in planned.ranks]
+    print(json.dumps({**dataclasses.asdict(planned.worst), "ranks": ranks}))
+"""
+
+
+def planned_apart(*layouts: tuple[list[str], int, bool]) -> list[dict]:
+    """Each layout's worst rank's memory (and "ranks": every simulated
+    rank's), or its one-line "error"."""
+    command = [sys.executable, "-c", PLANNED_APART, json.dumps(layouts)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
 @pytest.mark.e2e
 @requires_newest_of_era("one validation per era (CI time)")
 @pytest.mark.parametrize(
@@ -109,56 +137,35 @@ def measured(overrides: list[str], nproc: int, tmp_path: Path) -> list[dict]:
 )
 def test_estimate_matches_the_real_steps(layout, tmp_path):
     from torchtitan_npu.compat import resolve_upstream
-    from torchtitan_npu.plan.estimate import estimate
 
     nproc, overrides = LAYOUTS[layout]
     if layout == "cp" and resolve_upstream().era == "trainspec":  # 0.2.x: SDPA
         overrides = [*overrides, "--model.flavor", "debugmodel_flex_attn"]
-    ranks = estimate(resolve(None, overrides), nproc, "cpu").ranks
+    (planned,) = planned_apart((overrides, nproc, False))
     real = {r["rank"]: r for r in measured(overrides, nproc, tmp_path)}
+    ranks = planned["ranks"]
     assert len(ranks) == (2 if layout.startswith("pp") else 1)  # one per stage
     for predicted in ranks:
-        rank = real[predicted.rank]
-        state = predicted.model_state
+        rank = real[predicted["rank"]]
+        state = predicted["model_state"]
         assert state == rank["model_state"]
         assert state["optimizer"] == 2 * state["parameters"]
-        error = predicted.peak / rank["peak"] - 1
-        assert abs(error) <= PEAK_RTOL, (layout, predicted.peak, rank["peak"])
-        assert sum(predicted.parts.values()) == predicted.peak
+        error = predicted["peak"] / rank["peak"] - 1
+        assert abs(error) <= PEAK_RTOL, (layout, predicted["peak"], rank["peak"])
+        assert sum(predicted["parts"].values()) == predicted["peak"]
 
 
 def test_sharding_divides_the_model_state():
     """FSDP over 4 holds a quarter of the single device's model state."""
-    from torchtitan_npu.plan.estimate import estimate
-
-    single = estimate(resolve(None, []), 1, "cpu").worst.model_state
     overrides = ["--activation_checkpoint.mode", "full"]
-    sharded = estimate(resolve(None, overrides), 4, "cpu").worst.model_state
+    single, sharded = planned_apart(([], 1, False), (overrides, 4, False))
+    single, sharded = single["model_state"], sharded["model_state"]
     for part, value in single.items():
         assert abs(sharded[part] - value / 4) <= 0.01 * value, part
 
 
 MOE = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 EP_2 = ["--parallelism.expert_parallel_degree", "2"]
-# Each layout planned apart, in a fresh process: a built run leaves
-# per-process state (meshes), and forking needs a process that has not run
-# autograd (as `plan --search` is).
-PLANNED_APART = """
-import json, sys
-from torchtitan_npu.config import resolve
-from torchtitan_npu.plan.estimate import estimate
-for overrides, ranks, all_layers in json.loads(sys.argv[1]):
-    worst = estimate(resolve(None, overrides), ranks, "cpu", all_layers).worst
-    print(json.dumps({"peak": worst.peak, "parts": worst.parts,
-                      "model_state": worst.model_state, "sampled": worst.sampled}))
-"""
-
-
-def planned_apart(*layouts: tuple[list[str], int, bool]) -> list[dict]:
-    command = [sys.executable, "-c", PLANNED_APART, json.dumps(layouts)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines()]
 
 
 def test_longest_repeats_finds_the_repeated_block():
@@ -206,14 +213,12 @@ def test_expert_parallel_routes_evenly_and_divides_the_model_state():
     from torchtitan_npu.bootstrap import activate
     from torchtitan_npu.compat import resolve_upstream
     from torchtitan_npu.compat.era import Era
-    from torchtitan_npu.errors import PlanError
     from torchtitan_npu.overlay import OVERLAY
-    from torchtitan_npu.plan.estimate import estimate
 
     upstream = resolve_upstream()
     if upstream.installed.version == "0.2.0":  # its EP does not run on CPU either
-        with pytest.raises(PlanError, match="dp_shard 4 x ep 2 could not be simulated"):
-            estimate(resolve(None, MOE + EP_2), 4, "cpu")
+        (refused,) = planned_apart((MOE + EP_2, 4, False))
+        assert "dp_shard 4 x ep 2 could not be simulated" in refused["error"]
         return
     activate()
     planning = {r.patch.name: r.state for r in OVERLAY.status}

@@ -492,9 +492,17 @@ def in_child(function: Callable[..., Any], *args: Any) -> Any:
     except EOFError:
         kind, value = "error", f"the planning process died (exit {child.exitcode})"
     child.join()
+    if kind == "error" and _AUTOGRAD_FORK in value:
+        raise PlanError(
+            "this process has run autograd, and torch cannot fork it to plan in: "
+            "plan from a fresh process (titan-npu plan)"
+        )
     if kind == "error":
         raise PlanError(value)
     return value
+
+
+_AUTOGRAD_FORK = "Unable to handle autograd's threading in combination with fork"
 
 
 def _call_into(send: Any, function: Callable[..., Any], *args: Any) -> None:
