@@ -80,7 +80,7 @@ def search(
                     c.estimate = estimate(
                         candidate_config, world_size, target, all_layers
                     )
-                except PlanError as e:  # upstream refuses the layout, or cp
+                except PlanError as e:  # upstream refuses the layout
                     c.failure = str(e)
                 planned.append(c)
                 shown = _gib(c.peak()) if c.estimate else c.failure
