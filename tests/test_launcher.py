@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import SMALL_RUN, requires_default_upstream
+from support import SMALL_RUN, requires_default_upstream, requires_era
 
 from torchtitan_npu import bootstrap, launcher
 from torchtitan_npu.cli import main
@@ -27,6 +27,32 @@ BAD_INPUTS = [
         "needs a multiple of 4 processes, but this launch has 2",
     ),
     (["--parallelism.tensor_parallel_degree", "0"], "must be at least 1"),
+    (
+        [
+            "--nproc-per-node",
+            "2",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+            "--training.local_batch_size",
+            "1",
+        ],
+        "the 1F1B pipeline schedule needs a microbatch per stage (2), but local "
+        "batch 1 / microbatch size 1 makes 1; set --training.local_batch_size 2",
+    ),
+    (
+        [
+            "--nproc-per-node",
+            "2",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "3",
+        ],
+        "training.local_batch_size 4 is not a multiple of "
+        "parallelism.pipeline_parallel_microbatch_size 3",
+    ),
     (
         ["--parallelism.expert_parallel_degree", "2"],
         "expert_parallel_degree = 2 (set by the flavor's recipe unless you set it) "
@@ -73,6 +99,22 @@ def test_bad_input_is_one_line_before_launch(
     assert problem in lines[0], lines[0]
     assert not dump.exists(), "nothing may be left behind"
     assert not captured.out
+
+
+@requires_era("trainspec")
+def test_context_parallelism_with_sdpa_on_cpu_is_refused_before_launch(
+    tmp_path, capsys, deactivate_after
+):
+    """0.2.x's default llama3 flavor runs SDPA, whose CPU kernel torch's
+    context parallelism has no rule for: refused, with the flex flavors."""
+    dump = tmp_path / "run"
+    args = ["--parallelism.context_parallel_degree", "2", "--nproc-per-node", "2"]
+    code = main(["train", "--job.dump_folder", str(dump), *args])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert "context_parallel_degree 2 on cpu needs FlexAttention" in captured.err
+    assert "debugmodel_flex_attn" in captured.err or "npu or cuda" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and not dump.exists()
 
 
 def _other_era_checkpoint(path: Path) -> None:

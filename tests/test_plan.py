@@ -22,6 +22,7 @@ from support import (
 )
 
 from torchtitan_npu.cli import main
+from torchtitan_npu.compat import resolve_upstream
 from torchtitan_npu.config import resolve
 from torchtitan_npu.plan import devices
 
@@ -136,7 +137,6 @@ def planned_apart(*layouts: tuple[list[str], int, bool]) -> list[dict]:
     ],
 )
 def test_estimate_matches_the_real_steps(layout, tmp_path):
-    from torchtitan_npu.compat import resolve_upstream
 
     nproc, overrides = LAYOUTS[layout]
     if layout == "cp" and resolve_upstream().era == "trainspec":  # 0.2.x: SDPA
@@ -211,7 +211,6 @@ def test_expert_parallel_routes_evenly_and_divides_the_model_state():
     the token counts the all-to-all needs are the plan's even routing, which
     training never gets (on-request overlay records)."""
     from torchtitan_npu.bootstrap import activate
-    from torchtitan_npu.compat import resolve_upstream
     from torchtitan_npu.compat.era import Era
     from torchtitan_npu.overlay import OVERLAY
 
@@ -285,8 +284,9 @@ def test_varlen_attention_plans_as_each_device_runs_it():
 @requires_default_upstream("the ranking is era-independent (CI time)")
 def test_search_ranks_fits_then_misses(tmp_path):
     """`plan --search` on 2 one-device nodes (tp 1): every activation
-    checkpointing mode, smaller batches only where the larger missed; fits
-    first (larger batch, lighter checkpointing), then misses by excess."""
+    checkpointing mode, smaller batches only where the larger missed; each
+    fitting FSDP layout replicated over the nodes (HSDP) too; fits first
+    (larger batch, lighter checkpointing), then misses by excess."""
     plot = tmp_path / "search.png"
     command = [
         sys.executable, "-m", "torchtitan_npu.cli", "plan", "--search",
@@ -295,46 +295,68 @@ def test_search_ranks_fits_then_misses(tmp_path):
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split() for line in result.stdout.splitlines() if "fsdp 2" in line]
-    # layout(2) ac batch peak(2) status...
-    table = [(r[2], int(r[3]), " ".join(r[6:])) for r in rows]
-    fits = [t for t in table if t[2].startswith("fits")]
-    misses = [t for t in table if t[2].startswith("misses")]
-    assert fits and misses and len(fits) + len(misses) == len(table)
+    rows = [re.split(r"\s{2,}", line) for line in result.stdout.splitlines()]
+    # layout, ac, batch, peak, status
+    table = [(r[0], r[1], int(r[2]), r[4]) for r in rows if "fsdp" in r[0]]
+    fits = [t for t in table if t[3].startswith("fits")]
+    misses = [t for t in table if t[3].startswith("misses")]
+    refused = [t for t in table if t[3].startswith("cannot run")]
+    assert fits and misses and len(fits) + len(misses) + len(refused) == len(table)
+    # 0.2.x replicates one-device shards with DDP, which fake tensors cannot run
+    assert bool(refused) == (resolve_upstream().era == "trainspec")
+    assert all("replicates with DDP" in t[3] for t in refused)
     assert table[: len(fits)] == fits
-    assert [t[1] for t in fits] == sorted((t[1] for t in fits), reverse=True)
-    assert {t[0] for t in table} == {"none", "selective", "full"}
-    for ac, batch, _ in table:
+    assert [t[2] for t in fits] == sorted((t[2] for t in fits), reverse=True)
+    assert {t[1] for t in table} == {"none", "selective", "full"}
+    fsdp = [t for t in table if t[0] == "fsdp 2"]
+    for _, ac, batch, status in fsdp:
         if batch < 4:  # tried because the batch twice as large missed
-            assert any(t[:2] == (ac, 2 * batch) and t in misses for t in table)
+            assert ("fsdp 2", ac, 2 * batch) in [t[:3] for t in misses]
+        if status.startswith("fits"):  # and then replicated over the nodes
+            assert ("replicate 2 x fsdp 1", ac, batch) in [t[:3] for t in table]
     assert result.stderr.count("[1/3]") >= 1 and plot.stat().st_size > 0
 
 
-def test_search_pipelines_only_where_nothing_fits_without():
-    from torchtitan_npu.plan.search import layer_count, pipeline_degrees
+def test_search_splits_the_model_further_only_where_nothing_fits():
+    """Pipeline x context degrees by the split they make: each stage keeps a
+    layer, each CP rank two equal chunks of the sequence; HSDP replicates
+    over whole nodes."""
+    from torchtitan_npu.plan.search import hsdp_degrees, layer_count, model_splits
 
     assert layer_count(resolve(None, [])) == 6  # llama3 debugmodel
-    assert pipeline_degrees(8, 6, pipelined=False) == [1]
-    assert pipeline_degrees(8, 6, pipelined=True) == [2, 4]  # 8 stages: 6 layers
-    assert pipeline_degrees(6, 6, pipelined=True) == [2, 3, 6]
+    assert model_splits(1, layers=6, seq=256) == [(1, 1)]
+    assert model_splits(4, layers=6, seq=256) == [(1, 4), (2, 2), (4, 1)]
+    assert model_splits(8, layers=6, seq=256) == [(1, 8), (2, 4), (4, 2)]
+    assert model_splits(4, layers=6, seq=6) == [(4, 1)]  # 6 is not 2 x 2 chunks
+    assert model_splits(2, layers=0, seq=256) == [(1, 2)]  # no layers known
+    assert hsdp_degrees(fsdp=8, nodes=4, ep=1) == [2, 4]
+    assert hsdp_degrees(fsdp=8, nodes=4, ep=4) == [2]  # shards of 2 cannot hold EP 4
+    assert hsdp_degrees(fsdp=8, nodes=1, ep=1) == []
 
 
 @pytest.mark.e2e
-@full_suite_only("test_search_pipelines_only_where_nothing_fits_without")
-def test_search_tries_pipeline_parallelism_when_nothing_fits():
+@full_suite_only("test_search_splits_the_model_further_only_where_nothing_fits")
+def test_search_tries_pipeline_and_context_parallelism_when_nothing_fits():
+    """Planned for npu: on cpu, 0.2.x's SDPA has no context-parallel rule."""
     command = [
         sys.executable, "-m", "torchtitan_npu.cli", "plan", "--search",
         "--nproc-per-node", "1", "--nnodes", "2", "--device-memory", "1MiB",
-        "--training.local_batch_size", "1",
+        "--training.local_batch_size", "1", "--device", "npu",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "no layout without pipeline parallelism fits: trying pp" in result.stderr
+    assert "no layout fits with pp x cp below 2: trying 2" in result.stderr
     rows = [re.split(r"\s{2,}", line) for line in result.stdout.splitlines()]
-    layouts = {(r[0], r[1]) for r in rows if r[0].startswith("fsdp ")}
+    rows = [r for r in rows if r[0].startswith("fsdp ")]
+    names = ["fsdp 2", "fsdp 1 x cp 2", "fsdp 1 x pp 2 (1F1B)"]
+    names.append("fsdp 1 x pp 2 (Interleaved1F1B)")
     ac = ("none", "selective", "full")
-    assert layouts == {(name, a) for name in ("fsdp 2", "fsdp 1 x pp 2") for a in ac}
-    assert all("misses" in r[-1] for r in rows if r[0].startswith("fsdp "))
+    assert {(r[0], r[1]) for r in rows} == {(n, a) for n in names for a in ac}
+    for r in rows:
+        if r[0] == "fsdp 1 x pp 2 (1F1B)":  # one microbatch for two stages
+            assert "cannot run: the 1F1B pipeline schedule needs" in r[-1]
+        else:
+            assert "misses" in r[-1]
 
 
 def test_search_varies_expert_parallelism_for_moe_models_only():
@@ -365,7 +387,7 @@ def test_search_plans_moe_layouts_with_and_without_expert_parallelism():
     layouts = {tuple(re.split(r"\s{2,}", line)[:2]) for line in rows}
     ac = ("none", "selective", "full")
     assert layouts == {(name, a) for name in ("fsdp 2", "fsdp 2 x ep 2") for a in ac}
-    assert "[6/6] tp 1, ep 2, ac full" in result.stderr
+    assert "[6/6] fsdp 2 x ep 2, ac full" in result.stderr
 
 
 @pytest.mark.parametrize(

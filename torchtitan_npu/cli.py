@@ -122,7 +122,10 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     launch = f"--nproc-per-node {args.nproc_per_node} x --nnodes {args.nnodes}"
     preflight.check(
-        config, world_size=None if args.search else world_size, launch=launch
+        config,
+        world_size=None if args.search else world_size,
+        launch=launch,
+        device_type=target,
     )
     from torchtitan_npu.plan import report
     from torchtitan_npu.plan.estimate import estimate
@@ -143,7 +146,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         ranked = search(
             config, world_size, per_node, memory, target, all_layers=args.all_layers
         )
-        print(report.ranking(ranked, memory, world_size))
+        print(report.ranking(ranked, memory))
         planned = report.bars(ranked)
     else:
         result = estimate(
@@ -477,8 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--search",
         action="store_true",
-        help="plan every tp x activation checkpointing x local batch layout for "
-        "the device count; rank those that fit",
+        help="plan the layouts the device count allows (tp, ep, HSDP, "
+        "activation checkpointing, local batch; pp and cp where nothing fits "
+        "without); rank those that fit",
     )
     plan.add_argument(
         "--measure",

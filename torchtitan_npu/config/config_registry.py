@@ -230,6 +230,11 @@ def _vision_frozen(parallelize_fn: Any, model: Any, *args: Any, **kwargs: Any) -
     return model
 
 
+def check_device(job: Any, *, device_type: str, version: str) -> None:
+    """What the translated job cannot run on ``device_type``: 0.3.x's
+    attention backends all have a CPU path (none to refuse)."""
+
+
 def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
     """The ``Trainer.Config`` of a project config: upstream's config function
     for the model and flavor, every key set on it (renamed, type-checked),

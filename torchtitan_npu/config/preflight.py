@@ -176,8 +176,16 @@ def _check_data_position(config, checkpoint, world_size: int | None) -> None:
         )
 
 
-def check(config: dict[str, Any], *, world_size: int | None, launch: str) -> None:
-    """Every check that needs no rank: layout, paths, then the era translation."""
+def check(
+    config: dict[str, Any],
+    *,
+    world_size: int | None,
+    launch: str,
+    device_type: str | None = None,
+) -> None:
+    """Every check that needs no rank: layout, paths, the era translation,
+    then what the run's ``device_type`` (this machine's unless given: a
+    plan's target) cannot run."""
     check_layout(config, world_size, launch)
     absolute_paths(config)
     hf_model.prepare(config)
@@ -190,10 +198,10 @@ def check(config: dict[str, Any], *, world_size: int | None, launch: str) -> Non
     activation = activate()
     version = activation.upstream.installed.version
     check_loadable(config, world_size, activation.context.era, version)
+    era = era_config(activation.context.era)
+    here = activation.context.device_type
     try:
-        translated = era_config(activation.context.era).translate(
-            config, version=version, device_type=activation.context.device_type
-        )
+        translated = era.translate(config, version=version, device_type=here)
     except ConfigError:
         raise
     except Exception as e:
@@ -205,7 +213,9 @@ def check(config: dict[str, Any], *, world_size: int | None, launch: str) -> Non
             f"era {activation.context.era}'s ({type(e).__name__}: {e}); install "
             "a tested upstream (titan-npu --version lists the lock)"
         ) from e
+    era.check_device(translated, device_type=device_type or here, version=version)
     check_expert_parallel(_parallelism(translated), world_size, launch)
+    check_pipeline(translated)
 
 
 _EXPERT_DEGREES = {"expert_parallel_degree": 1, "expert_tensor_parallel_degree": 1}
@@ -218,6 +228,36 @@ def _parallelism(translated: Any) -> dict[str, int]:
     if isinstance(translated, dict):
         return {**names, **translated.get("parallelism", {})}
     return {k: getattr(translated.parallelism, k, v) for k, v in names.items()}
+
+
+def _setting(translated: Any, section: str, key: str, default: Any) -> Any:
+    """One value of a translated config (0.2.x: the keys set, else ``default``)."""
+    if isinstance(translated, dict):
+        return translated.get(section, {}).get(key, default)
+    return getattr(getattr(translated, section), key, default)
+
+
+def check_pipeline(translated: Any) -> None:
+    """Microbatches split the local batch evenly, and torch's 1F1B schedule
+    has one per stage at least (it refuses fewer at the first step)."""
+    pp = _setting(translated, "parallelism", "pipeline_parallel_degree", 1)
+    if pp == 1:
+        return
+    schedule = _setting(translated, "parallelism", "pipeline_parallel_schedule", "1F1B")
+    size = _setting(translated, "parallelism", "pipeline_parallel_microbatch_size", 1)
+    batch = _setting(translated, "training", "local_batch_size", 8)
+    if batch % size:
+        raise ConfigError(
+            f"training.local_batch_size {batch} is not a multiple of "
+            f"parallelism.pipeline_parallel_microbatch_size {size}; change one of them"
+        )
+    if schedule == "1F1B" and batch // size < pp:
+        raise ConfigError(
+            f"the 1F1B pipeline schedule needs a microbatch per stage ({pp}), but "
+            f"local batch {batch} / microbatch size {size} makes {batch // size}; "
+            f"set --training.local_batch_size {pp * size} or another "
+            "--parallelism.pipeline_parallel_schedule"
+        )
 
 
 def check_expert_parallel(

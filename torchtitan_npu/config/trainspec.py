@@ -124,6 +124,41 @@ def translate(
     return out
 
 
+def check_device(job: dict[str, Any], *, device_type: str, version: str) -> None:
+    """What the translated job cannot run on ``device_type``: context
+    parallelism on CPU with SDPA (torch's CP has no rule for SDPA's CPU
+    kernel)."""
+    # pyrefly: ignore[missing-import]  # 0.2.x only
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    cp = job.get("parallelism", {}).get("context_parallel_degree", 1)
+    if device_type != "cpu" or cp == 1:
+        return
+    model = job.get("model", {})
+    name, flavor = model.get("name", "llama3"), model.get("flavor", "debugmodel")
+    flavors = get_train_spec(name).model_args
+    if _attention(flavors[flavor]) != "sdpa":
+        return
+    flex = [f for f, args in flavors.items() if _attention(args) == "flex"]
+    fix = (
+        f"pick a FlexAttention --model.flavor ({', '.join(sorted(flex))})"
+        if flex and hasattr(flavors[flavor], "attn_type")  # 0.2.2 on: CP takes flex
+        else "run it on npu or cuda"
+    )
+    raise ConfigError(
+        f"parallelism.context_parallel_degree {cp} on cpu needs FlexAttention: "
+        f"{name} {flavor} uses SDPA, whose CPU kernel torch's context parallelism "
+        f"has no rule for (torchtitan {version}); {fix}, or set cp 1"
+    )
+
+
+def _attention(model_args: Any) -> str:
+    """A flavor's attention: 0.2.2's ``attn_type``, or before it ``use_flex_attn``."""
+    if hasattr(model_args, "attn_type"):
+        return model_args.attn_type
+    return "flex" if getattr(model_args, "use_flex_attn", False) else "sdpa"
+
+
 def upstream_argv(job_file: str) -> list[str]:
     """Upstream's command line: its TOML JobConfig loader reads ``job_file``."""
     return ["--job.config_file", job_file]

@@ -5,8 +5,10 @@ whole score matrix for backward. NPU and CUDA run it fused (compiled flex,
 npu_fusion_attention): forward keeps only its inputs, output and
 log-sum-exp; backward makes the three input gradients.
 ``fused_flex_attention`` puts that memory behaviour in flex attention's place
-(and ``fused_varlen_attention`` in 0.3's varlen attention's) while a plan for
-such a device is computed (shapes only: it is never used to train).
+(``fused_varlen_attention`` in 0.3's varlen attention's, ``device_sdpa`` in
+SDPA's) while a plan for such a device is computed (shapes only: it is never
+used to train). ``device_sdpa`` also lets context parallelism shard SDPA as
+it does on the device: on CPU, SDPA runs a kernel that CP has no rule for.
 
 Context parallelism shards flex attention's block mask per rank with a
 compiled ``create_block_mask``, which torch.compile refuses to trace under
@@ -74,6 +76,32 @@ def fused_varlen_attention(
     return (out, lse) if getattr(return_aux, "lse", False) else out
 
 
+def device_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """scaled_dot_product_attention as a device runs it: aten's flash
+    attention op (its shapes on fake tensors), which context parallelism
+    shards; a mask or dropout takes SDPA's own path."""
+    if attn_mask is not None or dropout_p:
+        return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeats = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(repeats, dim=-3)
+        value = value.repeat_interleave(repeats, dim=-3)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    return flash(query, key, value, 0.0, is_causal, False, scale=scale)[0]
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
 def document_per_row(create: Any) -> Any:
     """0.3's ``create_varlen_metadata_for_document`` for fake positions of a
     plan's batch (one document per row, which the plan makes): computed on
@@ -130,7 +158,7 @@ def cp_block_mask(
 def attention_for(device_type: str) -> Iterator[None]:
     """Flex and varlen attention as ``device_type`` runs them, for the
     duration of a plan: eager (flex uncompiled: torch.compile refuses to
-    trace under the memory tracker) on CPU, fused elsewhere; context
+    trace under the memory tracker) on CPU, fused elsewhere (SDPA too); context
     parallelism's block masks uncompiled (``cp_block_mask``)."""
     from torch.distributed.tensor.experimental._context_parallel import (
         _attention as cp_attention,
@@ -145,6 +173,9 @@ def attention_for(device_type: str) -> Iterator[None]:
     setattr(cp_attention, _CP_MASK, cp_block_mask)
     if device_type != "cpu":
         module.flex_attention = fused_flex_attention
+        functional = torch.nn.functional
+        saved.append((functional, "scaled_dot_product_attention", _SDPA))
+        functional.scaled_dot_product_attention = device_sdpa
         varlen = _varlen_module()
         if varlen is not None:
             saved.append((varlen, "varlen_attn", varlen.varlen_attn))

@@ -15,9 +15,14 @@ from torchtitan_npu.plan.estimate import materialize
 
 # Overlay records applied while a plan is computed: expert parallelism routes
 # evenly (plan/routing.py), varlen attention's documents are the batch's rows
-# (plan/attention.py). No layout is unplannable beyond estimate's.
+# (plan/attention.py).
 SIMULATION_RECORDS = ("plan_routed_tokens", "plan_even_splits", "plan_varlen_metadata")
-UNPLANNABLE: dict[str, str] = {}
+
+
+def unplannable(dims: Any) -> str:
+    """Why fake tensors cannot simulate the layout on 0.3.x: every layout
+    upstream runs can be."""
+    return ""
 
 
 def upstream_config(config: dict[str, Any], version: str) -> Any:

@@ -458,18 +458,35 @@ def simulate_rank(
     upstream = upstream_config(plan, config)
     with fake_world(world_size, rank):
         dims = plan.parallel_dims(upstream, world_size)
-        refuse_unplannable(dims, {**UNPLANNABLE, **plan.UNPLANNABLE})
+        if why := plan.unplannable(dims):
+            raise PlanError(
+                f"{layout_name(degrees(dims))} cannot be planned yet ({why})"
+            )
         dims.build_mesh()
         try:
             memory = simulate(plan, upstream, dims, target, all_layers, progress)
         except PlanError:
             raise
+        except NotImplementedError as e:
+            if dims.cp_enabled and "attention_for_cpu" in str(e):
+                raise PlanError(
+                    f"{layout_name(degrees(dims))} cannot run SDPA on cpu: torch's "
+                    "context parallelism has no rule for SDPA's CPU kernel; plan "
+                    "for the device you will train on (--device npu or cuda) or "
+                    "use a FlexAttention flavor"
+                ) from e
+            raise unexpected(dims, e) from e
         except Exception as e:
-            raise PlanError(
-                f"{layout_name(degrees(dims))} could not be simulated "
-                f"({summary(e)}); please report it with the command line"
-            ) from e
+            raise unexpected(dims, e) from e
         return memory, degrees(dims), pipeline.MESSAGES
+
+
+def unexpected(dims: Any, error: Exception) -> PlanError:
+    """A simulation failure the planner has no explanation for."""
+    return PlanError(
+        f"{layout_name(degrees(dims))} could not be simulated "
+        f"({summary(error)}); please report it with the command line"
+    )
 
 
 def summary(error: BaseException) -> str:
@@ -542,19 +559,6 @@ SIMULATION_RECORDS = (
     "plan_pipeline_receive",
     "plan_pipeline_p2p_held",
 )
-
-# Layouts the fake process group cannot simulate yet on every era, and why:
-# none (plan/<era>.py's UNPLANNABLE adds the era's own).
-UNPLANNABLE: dict[str, str] = {}
-
-
-def refuse_unplannable(dims: Any, unplannable: dict[str, str]) -> None:
-    for name, why in unplannable.items():
-        if getattr(dims, name) > 1:
-            raise PlanError(
-                f"{name} {getattr(dims, name)} cannot be planned yet ({why}); "
-                f"plan the layout with {name} 1"
-            )
 
 
 def degrees(dims: Any) -> dict[str, int]:

@@ -63,18 +63,15 @@ def measured(ranks: list[dict], estimate: Estimate) -> str:
     return "measured on this machine:\n" + format_table(headers, rows)
 
 
-def ranking(candidates: list[Candidate], memory: int, world_size: int) -> str:
+def ranking(candidates: list[Candidate], memory: int) -> str:
     """Fitting layouts with headroom, then the nearest misses and what they
     lack, then those upstream refused."""
     rows = []
     for c in candidates:
-        layout = f"fsdp {world_size // (c.tp * c.pp)}" + "".join(
-            f" x {name} {d}"
-            for name, d in (("pp", c.pp), ("tp", c.tp), ("ep", c.ep))
-            if d > 1
-        )
         if c.estimate is None:
-            rows.append([layout, c.ac, c.local_batch, "-", f"cannot run: {c.failure}"])
+            rows.append(
+                [c.name(), c.ac, c.local_batch, "-", f"cannot run: {c.failure}"]
+            )
             continue
         peak = c.peak()
         status = (
@@ -82,7 +79,7 @@ def ranking(candidates: list[Candidate], memory: int, world_size: int) -> str:
             if peak <= memory
             else f"misses: needs {size(peak - memory)} more"
         )
-        rows.append([layout, c.ac, c.local_batch, size(peak), status])
+        rows.append([c.name(), c.ac, c.local_batch, size(peak), status])
     headers = ["layout", "activation ckpt", "local batch", "peak/rank", ""]
     return format_table(headers, rows)
 
@@ -90,11 +87,7 @@ def ranking(candidates: list[Candidate], memory: int, world_size: int) -> str:
 def bars(candidates: list[Candidate]) -> list[tuple[str, RankMemory]]:
     """(label, worst rank) of each planned candidate, for ``plot``."""
     return [
-        (
-            f"{f'pp{c.pp} ' if c.pp > 1 else ''}tp{c.tp}"
-            f"{f' ep{c.ep}' if c.ep > 1 else ''} {c.ac}\nbatch {c.local_batch}",
-            c.estimate.worst,
-        )
+        (f"{c.name()}\n{c.ac}, batch {c.local_batch}", c.estimate.worst)
         for c in candidates
         if c.estimate
     ]

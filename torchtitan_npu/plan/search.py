@@ -1,53 +1,75 @@
 """`plan --search`: the layouts a device count allows, each planned, ranked.
 
-Candidates keep the config's model, sequence and everything else; they vary
-the tensor-parallel degree (within a node), the expert-parallel degree (MoE
-models, where the era plans EP: the degrees dividing both the FSDP degree and
-the routed experts), activation checkpointing and the local batch; FSDP
-shards over the remaining devices. A smaller local batch is tried only while
-the larger one does not fit. Pipeline parallelism costs a pipeline bubble, so
-it is tried only where no layout without it fits: each degree dividing the
-devices left by TP, up to the model's layers, with the config's schedule.
+Candidates keep the config's model, sequence and everything else. The first
+round varies the tensor-parallel degree (within a node), the expert-parallel
+degree (MoE models, where the era plans EP: the degrees dividing both the
+FSDP degree and the routed experts), activation checkpointing and the local
+batch; FSDP shards over the remaining devices. A smaller local batch is
+tried only while the larger one does not fit. Where a layout fits on several
+nodes, HSDP replicates it over each divisor of the node count while it still
+fits (less traffic between nodes).
+
+Pipeline and context parallelism split the model's work further, at a cost
+(a pipeline bubble, attention's exchanges), so they are tried only where
+nothing fits without: the smallest split first (pp x cp = 2, then 4, ...),
+each PP degree leaving every stage a layer, with the config's schedule and
+the other common ones, each CP degree dividing the sequence.
 """
 
 import copy
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
-from torchtitan_npu.errors import PlanError
+from torchtitan_npu.config import preflight
+from torchtitan_npu.errors import ConfigError, PlanError
 from torchtitan_npu.plan.estimate import Estimate, estimate
 
 AC_MODES = ("none", "selective", "full")  # lightest (fastest) first
+SCHEDULES = ("1F1B", "Interleaved1F1B")  # tried beside the config's own
 
 
 @dataclass
 class Candidate:
+    fsdp: int
     tp: int
     ac: str
     local_batch: int
     ep: int = 1
     pp: int = 1
+    cp: int = 1
+    replicate: int = 1
+    schedule: str = ""  # the pipeline schedule, where pp > 1
     estimate: Estimate | None = None
     failure: str = ""
 
     def peak(self) -> int:
         return self.estimate.worst.peak if self.estimate else 0
 
+    def name(self) -> str:
+        """E.g. ``replicate 2 x fsdp 4 x tp 2`` or ``fsdp 1 x pp 2 (1F1B)``."""
+        degrees = [("replicate", self.replicate), ("fsdp", self.fsdp)]
+        degrees += [("pp", self.pp), ("cp", self.cp), ("tp", self.tp), ("ep", self.ep)]
+        used = [f"{n} {d}" for n, d in degrees if d > 1 or n == "fsdp"]
+        return " x ".join(used) + (f" ({self.schedule})" if self.pp > 1 else "")
 
-def layout_config(config: dict[str, Any], world_size: int, c: Candidate) -> dict:
-    """``config`` with the candidate's layout (cp off)."""
+
+def layout_config(config: dict[str, Any], c: Candidate) -> dict:
+    """``config`` with the candidate's layout."""
     out = copy.deepcopy(config)
     parallelism = out.setdefault("parallelism", {})
     parallelism.update(
         tensor_parallel_degree=c.tp,
-        data_parallel_shard_degree=world_size // (c.tp * c.pp),
-        data_parallel_replicate_degree=1,
+        data_parallel_shard_degree=c.fsdp,
+        data_parallel_replicate_degree=c.replicate,
         pipeline_parallel_degree=c.pp,
-        context_parallel_degree=1,
+        context_parallel_degree=c.cp,
         expert_parallel_degree=c.ep,
     )
+    if c.pp > 1:
+        parallelism["pipeline_parallel_schedule"] = c.schedule
     out.setdefault("activation_checkpoint", {})["mode"] = c.ac
     out.setdefault("training", {})["local_batch_size"] = c.local_batch
     return out
@@ -66,56 +88,101 @@ def search(
     (fastest expected first), then the misses by how much they exceed
     ``memory``."""
     batch = config.get("training", {}).get("local_batch_size", 8)
-    tps = [t for t in range(1, min(per_node, world_size) + 1) if world_size % t == 0]
-    experts, layers = routed_experts(config), layer_count(config)
     planned: list[Candidate] = []
 
-    def plan_all(groups: list[tuple[int, int, int, str]]) -> None:
-        for i, (tp, pp, ep, ac) in enumerate(groups, 1):
-            size = batch
-            while size >= 1:
-                c = Candidate(tp, ac, size, ep, pp)
-                try:
-                    candidate_config = layout_config(config, world_size, c)
-                    c.estimate = estimate(
-                        candidate_config, world_size, target, all_layers
-                    )
-                except PlanError as e:  # upstream refuses the layout
-                    c.failure = str(e)
-                planned.append(c)
-                shown = _gib(c.peak()) if c.estimate else c.failure
-                layout = f"tp {tp}" + "".join(
-                    f", {name} {d}" for name, d in (("pp", pp), ("ep", ep)) if d > 1
-                )
-                progress(
-                    f"[{i}/{len(groups)}] {layout}, ac {ac}, batch {size}: {shown}"
-                )
-                if c.failure or c.peak() <= memory:
-                    break
-                size //= 2
+    def attempt(c: Candidate, tag: str) -> bool:
+        """Plan ``c``; whether it fits."""
+        try:
+            candidate = layout_config(config, c)
+            preflight.check(
+                candidate,
+                world_size=world_size,
+                launch="the search",
+                device_type=target,
+            )
+            c.estimate = estimate(candidate, world_size, target, all_layers)
+        except (ConfigError, PlanError) as e:  # a layout the run would refuse
+            c.failure = str(e)
+        planned.append(c)
+        shown = _gib(c.peak()) if c.estimate else c.failure
+        progress(f"{tag} {c.name()}, ac {c.ac}, batch {c.local_batch}: {shown}")
+        return c.estimate is not None and c.peak() <= memory
 
-    def groups(pipelined: bool) -> list[tuple[int, int, int, str]]:
-        return [
-            (tp, pp, ep, ac)
-            for tp in tps
-            for pp in pipeline_degrees(world_size // tp, layers, pipelined)
-            for ep in expert_degrees(config, world_size // (tp * pp), experts)
-            for ac in AC_MODES
-        ]
-
-    plan_all(groups(pipelined=False))
-    if not any(c.estimate and c.peak() <= memory for c in planned):
-        progress("no layout without pipeline parallelism fits: trying pp")
-        plan_all(groups(pipelined=True))
+    for split in range(1, world_size + 1):
+        candidates = groups(config, world_size, per_node, split)
+        if not candidates:
+            continue
+        if split > 1:
+            progress(f"no layout fits with pp x cp below {split}: trying {split}")
+        for i, group in enumerate(candidates, 1):
+            tag = f"[{i}/{len(candidates)}]"
+            plan_group(group, batch, world_size // per_node, partial(attempt, tag=tag))
+        if any(c.estimate and c.peak() <= memory for c in planned):
+            break
     return rank(planned, memory)
 
 
-def pipeline_degrees(devices: int, layers: int, pipelined: bool) -> list[int]:
-    """1, or the PP degrees above 1 that divide ``devices`` and leave each
-    stage a layer."""
-    if not pipelined:
-        return [1]
-    return [d for d in range(2, min(devices, layers) + 1) if devices % d == 0]
+def plan_group(
+    group: Candidate, batch: int, nodes: int, attempt: Callable[[Candidate], bool]
+) -> None:
+    """The group's layout with its local batch halved from ``batch`` while it
+    does not fit; then the fitting one replicated over more nodes (HSDP)
+    while it still fits."""
+    size = batch
+    while not attempt(c := replace(group, local_batch=size)):
+        if c.failure or size == 1:
+            return
+        size //= 2
+    for r in hsdp_degrees(c.fsdp, nodes, c.ep):
+        if not attempt(replace(c, fsdp=c.fsdp // r, replicate=r, estimate=None)):
+            return
+
+
+def groups(
+    config: dict[str, Any], world_size: int, per_node: int, split: int
+) -> list[Candidate]:
+    """The layouts whose pipeline x context degrees make ``split``: every
+    TP degree within a node, PP schedule, EP degree and checkpointing mode;
+    FSDP over the rest (local batch still to choose)."""
+    experts, layers = routed_experts(config), layer_count(config)
+    seq = config.get("training", {}).get("seq_len", 0)
+    own = config.get("parallelism", {}).get("pipeline_parallel_schedule")
+    schedules = list(dict.fromkeys(s for s in (own, *SCHEDULES) if s))
+    out = []
+    for tp in range(1, min(per_node, world_size) + 1):
+        if world_size % (tp * split):
+            continue
+        for pp, cp in model_splits(split, layers, seq):
+            fsdp = world_size // (tp * split)
+            for schedule in schedules if pp > 1 else [""]:
+                for ep in expert_degrees(config, fsdp, experts):
+                    out += [
+                        Candidate(fsdp, tp, ac, 0, ep, pp, cp, schedule=schedule)
+                        for ac in AC_MODES
+                    ]
+    return out
+
+
+def model_splits(split: int, layers: int, seq: int) -> list[tuple[int, int]]:
+    """(pp, cp) with pp x cp == ``split``: each stage keeps a layer, each CP
+    rank two equal chunks of the sequence (upstream's load balancing)."""
+    return [
+        (pp, split // pp)
+        for pp in range(1, split + 1)
+        if split % pp == 0
+        and (pp == 1 or pp <= layers)
+        and (pp == split or seq % (2 * (split // pp)) == 0)
+    ]
+
+
+def hsdp_degrees(fsdp: int, nodes: int, ep: int) -> list[int]:
+    """The replicate degrees above 1 that divide the nodes and the FSDP
+    degree, leaving shards EP can split."""
+    return [
+        r
+        for r in range(2, nodes + 1)
+        if nodes % r == 0 and fsdp % r == 0 and (fsdp // r) % ep == 0
+    ]
 
 
 def layer_count(config: dict[str, Any]) -> int:
@@ -150,20 +217,29 @@ def meta_model(config: dict[str, Any]) -> Any:
 
 
 def expert_degrees(config: dict[str, Any], shard: int, experts: int) -> list[int]:
-    """The EP degrees a search plans: with routed experts (and an era that
-    plans EP), each degree dividing both the FSDP degree and the experts;
-    otherwise the config's own."""
-    from torchtitan_npu.plan.estimate import era_plan
-
+    """The EP degrees a search plans: with routed experts, each degree
+    dividing both the FSDP degree and the experts; otherwise the config's
+    own."""
     own = config.get("parallelism", {}).get("expert_parallel_degree", 1)
-    if not experts or "ep" in era_plan().UNPLANNABLE:
+    if not experts:
         return [own]
     return [d for d in range(1, shard + 1) if shard % d == 0 and experts % d == 0]
 
 
 def rank(planned: list[Candidate], memory: int) -> list[Candidate]:
+    """Fits (larger batch, lighter checkpointing, smaller TP, PP and CP, more
+    replication first), then misses by excess, then refusals."""
     fits = [c for c in planned if c.estimate and c.peak() <= memory]
-    fits.sort(key=lambda c: (-c.local_batch, AC_MODES.index(c.ac), c.tp, c.pp))
+    fits.sort(
+        key=lambda c: (
+            -c.local_batch,
+            AC_MODES.index(c.ac),
+            c.tp,
+            c.pp,
+            c.cp,
+            -c.replicate,
+        )
+    )
     misses = [c for c in planned if c.estimate and c.peak() > memory]
     misses.sort(key=lambda c: c.peak())
     failed = [c for c in planned if not c.estimate]
