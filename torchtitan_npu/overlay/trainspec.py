@@ -331,6 +331,32 @@ PLAN_EVEN_EP_SPLITS = Patch(
 )
 
 
+def _apply_ddp_buckets(target: Target, ctx: PatchContext) -> list[Change]:
+    from torchtitan_npu.plan.collectives import ddp_buckets
+
+    return [Change(target.owner, target.attr, ddp_buckets, rebind=True)]
+
+
+PLAN_DDP_BUCKETS = Patch(
+    name="plan_ddp_buckets",
+    target="torchtitan.models.llama3.infra.parallelize:apply_ddp",
+    kind="replace",
+    reason=(
+        "DDP's reducer reads its parameters' data, which fake tensors have none "
+        "of: a plan leaves the model unwrapped and allocates DDP's gradient "
+        "buckets beside it"
+    ),
+    eras=(Era.TRAINSPEC,),
+    upstream_ref=(
+        "none upstream: a plan on fake tensors has no data for DDP's reducer "
+        "(plan/collectives.py)"
+    ),
+    remove_when="0.2.x era dropped",
+    apply=_apply_ddp_buckets,
+    on_request=True,  # by `titan-npu plan` only, never in training
+)
+
+
 def _apply_unfilled_permute_indices(target: Target, ctx: PatchContext) -> list[Change]:
     from torchtitan_npu.plan.routing import unfilled_permute_indices
 
@@ -515,6 +541,7 @@ PATCHES = [
     *PLAN_EVEN_EXPERT_TOKENS,
     PLAN_PERMUTE_INDICES,
     PLAN_EVEN_EP_SPLITS,
+    PLAN_DDP_BUCKETS,
     GPT_OSS_LAYERS_DTYPE,
     MOE_GATE_BIAS_INIT,
     MOE_TP_SCORE_GRADIENT,

@@ -6,9 +6,17 @@ made and freed within the call (measured: FSDP's reduce-scatter of a 248,320 x
 256 fp32 embedding gradient on 2 ranks holds 242.5 MiB more in a real gloo run
 than on the fake group, exactly the input). ``collectives_for("cpu")`` puts
 that copy in a plan on the fake group.
+
+0.2.x replicates with DDP, whose reducer (C++) keeps every gradient a second
+time in flat buckets, allocated as the first forward starts and held from
+then on (measured: a DDP run's peak is a single device's plus exactly the
+gradients' bytes). The reducer reads its tensors' data, which fake tensors
+have none of: ``ddp_buckets`` leaves a plan's model unwrapped and allocates
+the buckets beside it (record ``plan_ddp_buckets``). All-reduce is in place.
 """
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,3 +55,24 @@ def collectives_for(device_type: str) -> Iterator[None]:
         return
     with GlooReduceScatterCopy():
         yield
+
+
+BUCKETS = "_titan_npu_planned_ddp_buckets"  # the model attribute holding them
+
+
+def ddp_buckets(model: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+    """0.2.x's ``apply_ddp`` as its memory on fake tensors: the model left
+    unwrapped, DDP's gradient buckets (one per dtype, every trainable
+    parameter's size) allocated at its first forward."""
+
+    def allocate(module: torch.nn.Module, inputs: Any) -> None:
+        handle.remove()
+        sizes: Counter[torch.dtype] = Counter()
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        for p in trainable:
+            sizes[p.dtype] += p.numel()
+        device = trainable[0].device if trainable else None
+        buckets = [torch.empty(n, dtype=d, device=device) for d, n in sizes.items()]
+        setattr(module, BUCKETS, buckets)
+
+    handle = model.register_forward_pre_hook(allocate)

@@ -19,12 +19,6 @@ from torchtitan_npu.plan.estimate import materialize
 SIMULATION_RECORDS = ("plan_routed_tokens", "plan_even_splits", "plan_varlen_metadata")
 
 
-def unplannable(dims: Any) -> str:
-    """Why fake tensors cannot simulate the layout on 0.3.x: every layout
-    upstream runs can be."""
-    return ""
-
-
 def upstream_config(config: dict[str, Any], version: str) -> Any:
     """The ``Trainer.Config`` `train` would hand over (translated for CPU, where
     the plan is computed)."""

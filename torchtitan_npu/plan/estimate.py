@@ -458,10 +458,6 @@ def simulate_rank(
     upstream = upstream_config(plan, config)
     with fake_world(world_size, rank):
         dims = plan.parallel_dims(upstream, world_size)
-        if why := plan.unplannable(dims):
-            raise PlanError(
-                f"{layout_name(degrees(dims))} cannot be planned yet ({why})"
-            )
         dims.build_mesh()
         try:
             memory = simulate(plan, upstream, dims, target, all_layers, progress)

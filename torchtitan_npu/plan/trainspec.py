@@ -18,23 +18,15 @@ from torchtitan_npu.plan.estimate import materialize
 
 # Overlay records applied while a plan is computed: expert parallelism's
 # all-to-all splits evenly, MoE experts get their tokens evenly, the grouped
-# experts' token order unfilled (plan/routing.py; gpt_oss's from 0.2.2).
+# experts' token order unfilled (plan/routing.py; gpt_oss's from 0.2.2);
+# DDP's gradient buckets beside an unwrapped model (plan/collectives.py).
 SIMULATION_RECORDS = (
     "plan_even_ep_splits",
     "plan_even_expert_tokens",
     "plan_even_gpt_oss_expert_tokens",
     "plan_permute_indices",
+    "plan_ddp_buckets",
 )
-
-
-def unplannable(dims: Any) -> str:
-    """Why fake tensors cannot simulate the layout on 0.2.x ('' if they can)."""
-    if dims.dp_replicate_enabled and not dims.fsdp_enabled:
-        return (
-            "upstream 0.2.x replicates with DDP, whose reducer needs real "
-            "tensors; plan FSDP or HSDP over those ranks instead"
-        )
-    return ""
 
 
 def upstream_config(config: dict[str, Any], version: str) -> Any:
