@@ -112,7 +112,7 @@ def test_context_parallelism_with_sdpa_on_cpu_is_refused_before_launch(
     code = main(["train", "--job.dump_folder", str(dump), *args])
     captured = capsys.readouterr()
     assert code == 2, captured
-    assert "context_parallel_degree 2 on cpu needs FlexAttention" in captured.err
+    assert "context_parallel_degree 2 with llama3 debugmodel: torch's" in captured.err
     assert "debugmodel_flex_attn" in captured.err or "npu or cuda" in captured.err
     assert len(captured.err.strip().splitlines()) == 1 and not dump.exists()
 

@@ -230,9 +230,9 @@ def _vision_frozen(parallelize_fn: Any, model: Any, *args: Any, **kwargs: Any) -
     return model
 
 
-def check_device(job: Any, *, device_type: str, version: str) -> None:
-    """What the translated job cannot run on ``device_type``: 0.3.x's
-    attention backends all have a CPU path (none to refuse)."""
+def check_runnable(job: Any, *, device_type: str, version: str) -> None:
+    """What upstream refuses late for the translated job on ``device_type``:
+    nothing known on 0.3.x (its attention backends all have a CPU path)."""
 
 
 def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:

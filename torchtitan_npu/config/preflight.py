@@ -213,7 +213,7 @@ def check(
             f"era {activation.context.era}'s ({type(e).__name__}: {e}); install "
             "a tested upstream (titan-npu --version lists the lock)"
         ) from e
-    era.check_device(translated, device_type=device_type or here, version=version)
+    era.check_runnable(translated, device_type=device_type or here, version=version)
     check_expert_parallel(_parallelism(translated), world_size, launch)
     check_pipeline(translated)
 

@@ -124,31 +124,40 @@ def translate(
     return out
 
 
-def check_device(job: dict[str, Any], *, device_type: str, version: str) -> None:
-    """What the translated job cannot run on ``device_type``: context
-    parallelism on CPU with SDPA (torch's CP has no rule for SDPA's CPU
-    kernel)."""
+def check_runnable(job: dict[str, Any], *, device_type: str, version: str) -> None:
+    """What upstream refuses late (under torchrun) for the translated job on
+    ``device_type``: context parallelism with FlexAttention before 0.2.2, and
+    with SDPA on CPU (torch's CP has no rule for SDPA's CPU kernel)."""
     # pyrefly: ignore[missing-import]  # 0.2.x only
     from torchtitan.protocols.train_spec import get_train_spec
 
+    from torchtitan_npu.overlay.registry import release
+
     cp = job.get("parallelism", {}).get("context_parallel_degree", 1)
-    if device_type != "cpu" or cp == 1:
+    if cp == 1:
         return
     model = job.get("model", {})
     name, flavor = model.get("name", "llama3"), model.get("flavor", "debugmodel")
     flavors = get_train_spec(name).model_args
-    if _attention(flavors[flavor]) != "sdpa":
+    flex_cp = release(version) >= (0, 2, 2)  # before: "still in progress"
+    problem = f"parallelism.context_parallel_degree {cp} with {name} {flavor}: "
+    if _attention(flavors[flavor]) == "flex" and not flex_cp:
+        raise ConfigError(
+            f"{problem}torchtitan {version} has no context parallelism for "
+            "FlexAttention; pick an SDPA flavor (CP then runs on npu or cuda), "
+            "or set cp 1"
+        )
+    if _attention(flavors[flavor]) != "sdpa" or device_type != "cpu":
         return
-    flex = [f for f, args in flavors.items() if _attention(args) == "flex"]
+    flex = sorted(f for f, args in flavors.items() if _attention(args) == "flex")
     fix = (
-        f"pick a FlexAttention --model.flavor ({', '.join(sorted(flex))})"
-        if flex and hasattr(flavors[flavor], "attn_type")  # 0.2.2 on: CP takes flex
+        f"pick a FlexAttention --model.flavor ({', '.join(flex)})"
+        if flex and flex_cp
         else "run it on npu or cuda"
     )
     raise ConfigError(
-        f"parallelism.context_parallel_degree {cp} on cpu needs FlexAttention: "
-        f"{name} {flavor} uses SDPA, whose CPU kernel torch's context parallelism "
-        f"has no rule for (torchtitan {version}); {fix}, or set cp 1"
+        f"{problem}torch's context parallelism has no rule for SDPA's CPU "
+        f"kernel (torchtitan {version}); {fix}, or set cp 1"
     )
 
 
