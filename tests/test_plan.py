@@ -207,6 +207,30 @@ def test_longest_repeats_finds_the_repeated_block():
     assert longest_repeats(["a", "b", "c"]).count == 1
 
 
+def test_a_hybrid_models_blocks_are_sampled_from_one_block():
+    """A model of repeated 4-layer blocks (qwen3_5: three linear-attention
+    layers, one full) is cut to 1, 2, 3 blocks (3 layers or more in the
+    first sample), not to the 3, 4, 5 single layers need."""
+    from torch import nn
+
+    from torchtitan_npu.plan.estimate import LayerCut, Repeats
+
+    def hybrid(layers: int) -> nn.Module:
+        model = nn.Module()
+        kinds = [nn.Linear(2, 3 if i % 4 == 3 else 2) for i in range(layers)]
+        model.layers = nn.ModuleDict({str(i): k for i, k in enumerate(kinds)})
+        return model
+
+    for sample in range(3):
+        model, cut = hybrid(48), LayerCut(sample)
+        cut(model)
+        assert cut.repeats == Repeats(start=0, period=4, count=12)
+        assert cut.blocks == 1 + sample and len(model.layers) == 4 * cut.blocks
+    short, cut = hybrid(12), LayerCut(0)  # 12 layers: stepped whole
+    cut(short)
+    assert cut.repeats is None and len(short.layers) == 12
+
+
 @pytest.mark.e2e
 @requires_default_upstream("the sampling is era-independent (CI time)")
 def test_a_deep_model_extrapolated_as_if_every_layer_were_stepped():

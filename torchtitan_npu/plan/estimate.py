@@ -230,14 +230,17 @@ def rank_memory(
     return RankMemory(rank, snapshot["Total"], parts, state, phases)
 
 
-# A run of identical layers this long or longer is not stepped whole: the
-# model is stepped cut to SAMPLES repetitions of it, one after the other,
-# until the last three lie on one line (the first repetitions can differ:
-# FSDP overlaps a few layers' gradient reductions), and the line extended.
-# Three samples step 12 repetitions in all, each sample also the layers
-# around them: it pays from 16 on.
+# A run of repeated layers (a layer, or a block of up to 4) covering this many
+# layers or more is not stepped whole: the model is stepped cut to SAMPLES
+# consecutive repetition counts of it, one after the other, until the last
+# three lie on one line, and the line extended. The first sample holds
+# FIRST_SAMPLE layers at least (the first repetitions can differ: FSDP
+# overlaps a few layers' gradient reductions): 3, 4, 5 single layers, or 1,
+# 2, 3 blocks of four (qwen3_5). Three samples of single layers step 12 in
+# all, each sample also the layers around them: it pays from 16 on.
 EXTRAPOLATE_FROM = 16
-SAMPLES = (3, 4, 5, 6)
+FIRST_SAMPLE = 3
+SAMPLES = 4
 # Bytes by which the samples' steps may differ and still be on one line (the
 # tracker rounds small tensors: a few bytes per layer).
 ON_A_LINE = 2**16
@@ -290,20 +293,23 @@ def longest_repeats(kinds: list[tuple], max_period: int = 4) -> Repeats:
 
 
 class LayerCut:
-    """Cuts a model built on meta to ``blocks`` repetitions of its longest
-    run of identical layers, where that run is long enough to extrapolate."""
+    """Cuts a model built on meta to the ``sample``-th (from 0) of SAMPLES
+    repetition counts of its longest run of repeated layers, where that run
+    is long enough to extrapolate; ``blocks`` is then the count kept."""
 
-    def __init__(self, blocks: int) -> None:
-        self.blocks = blocks
+    def __init__(self, sample: int) -> None:
+        self.sample, self.blocks = sample, 0
         self.repeats: Repeats | None = None
 
     def __call__(self, model: torch.nn.Module) -> None:
         blocks: Any = model.layers  # a ModuleDict in every upstream decoder
         layers = list(blocks.values())
         repeats = longest_repeats([layer_kind(layer) for layer in layers])
-        if repeats.count < EXTRAPOLATE_FROM:
+        first = -(-FIRST_SAMPLE // repeats.period)  # repetitions, rounded up
+        long_enough = repeats.count * repeats.period >= EXTRAPOLATE_FROM
+        if not long_enough or repeats.count < first + SAMPLES:
             return
-        self.repeats = repeats
+        self.repeats, self.blocks = repeats, first + self.sample
         kept = repeats.kept(len(layers), self.blocks)
         for name in list(blocks.keys()):
             del blocks[name]
@@ -353,7 +359,7 @@ def simulate(
     progress: Callable[[str], None],
 ) -> RankMemory:
     """One rank of the run on fake tensors: every layer stepped, or a run of
-    identical layers extrapolated from SAMPLES repetitions of it."""
+    repeated layers extrapolated from samples of it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def step(cut: Callable[[torch.nn.Module], None]) -> RankMemory:
@@ -366,14 +372,14 @@ def simulate(
     if all_layers or dims.pp_enabled:  # stages split the layers themselves
         return step(lambda model: None)
     samples = []
-    for blocks in SAMPLES:
-        cut = LayerCut(blocks)
+    for sample in range(SAMPLES):
+        cut = LayerCut(sample)
         samples.append(step(cut))
         if cut.repeats is None:  # too few layers to cut: stepped whole
             return samples[-1]
-        progress(f"{cut.repeats}: {blocks} of them stepped")
+        progress(f"{cut.repeats}: {cut.blocks} of them stepped")
         if len(samples) >= 3:
-            extended = extrapolate(samples[-3:], blocks, cut.repeats)
+            extended = extrapolate(samples[-3:], cut.blocks, cut.repeats)
             if extended is not None:
                 return extended
     progress("the samples are not on one line: stepping every layer")
