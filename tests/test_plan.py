@@ -166,6 +166,7 @@ def test_estimate_matches_the_real_steps(layout, tmp_path):
 
 
 @requires_era("trainspec")
+@requires_newest_of_era("one per era (CI time)")
 def test_ddp_holds_its_gradient_buckets_beside_a_single_devices_memory():
     """0.2.x's DDP keeps every gradient again in its reducer's buckets: its
     plan is the single device's plus the gradients' bytes, held from the
