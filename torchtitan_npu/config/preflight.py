@@ -225,9 +225,7 @@ def _parallelism(translated: Any) -> dict[str, int]:
     """The degrees of a translated config: 0.3.x's Trainer.Config (the recipe's
     values included), 0.2.x's TOML dict (the keys set; upstream's defaults)."""
     names = {**_DEGREES, **_EXPERT_DEGREES}
-    if isinstance(translated, dict):
-        return {**names, **translated.get("parallelism", {})}
-    return {k: getattr(translated.parallelism, k, v) for k, v in names.items()}
+    return {k: _setting(translated, "parallelism", k, v) for k, v in names.items()}
 
 
 def _setting(translated: Any, section: str, key: str, default: Any) -> Any:

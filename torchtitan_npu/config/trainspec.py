@@ -141,13 +141,14 @@ def check_runnable(job: dict[str, Any], *, device_type: str, version: str) -> No
     flavors = get_train_spec(name).model_args
     flex_cp = release(version) >= (0, 2, 2)  # before: "still in progress"
     problem = f"parallelism.context_parallel_degree {cp} with {name} {flavor}: "
-    if _attention(flavors[flavor]) == "flex" and not flex_cp:
+    attention = _attention(flavors[flavor])
+    if attention == "flex" and not flex_cp:
         raise ConfigError(
             f"{problem}torchtitan {version} has no context parallelism for "
             "FlexAttention; pick an SDPA flavor (CP then runs on npu or cuda), "
             "or set cp 1"
         )
-    if _attention(flavors[flavor]) != "sdpa" or device_type != "cpu":
+    if attention != "sdpa" or device_type != "cpu":
         return
     flex = sorted(f for f, args in flavors.items() if _attention(args) == "flex")
     fix = (
