@@ -2,6 +2,7 @@
 
     python benchmarks/plan.py accuracy [--layouts single,fsdp,...] [--model M:F]
     python benchmarks/plan.py real-sizes
+    python benchmarks/plan.py search
 
 accuracy: each matrix layout of a debug model (llama3's by default, or
 --model NAME:FLAVOR), estimated (fake tensors, fake process group) and then
@@ -12,6 +13,9 @@ python (e.g. .nox/upstream-0.2.2/bin/python).
 real-sizes: wall time and peak RSS of `titan-npu plan` for published sizes
 (a subprocess each, so its RSS is its own), as users run it and with
 --all-layers.
+
+search: `titan-npu plan --search` at a real size with part of the layout
+given on the command line (kept): candidates planned, wall time, the best.
 """
 
 import argparse
@@ -81,6 +85,17 @@ REAL_SIZES = {
         "--parallelism.expert_parallel_degree", "2",
     ],
 }  # fmt: skip
+# deepseek_v3 671B on 256 Ascend 910B3 with TP, EP, PP and CP given: the
+# search varies activation checkpointing and the local batch.
+SEARCH = [
+    "--search", "--model.name", "deepseek_v3", "--model.flavor", "671b",
+    "--nproc-per-node", "8", "--nnodes", "32", "--device-name", "Ascend910B3",
+    "--training.seq_len", "4096", "--training.mixed_precision_param", "bfloat16",
+    "--parallelism.tensor_parallel_degree", "1",
+    "--parallelism.expert_parallel_degree", "32",
+    "--parallelism.pipeline_parallel_degree", "1",
+    "--parallelism.context_parallel_degree", "1",
+]  # fmt: skip
 
 
 def mib(value: int) -> str:
@@ -146,9 +161,21 @@ def real_sizes() -> None:
                   flush=True)  # fmt: skip
 
 
+def search() -> None:
+    """A search with part of the layout kept (SEARCH)."""
+    command = [sys.executable, "-m", "torchtitan_npu.cli", "plan", *SEARCH]
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    planned = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    print(" ".join(SEARCH))
+    print(f"{len(planned)} candidates planned, wall {wall:.1f} s")
+    print(result.stdout or result.stderr[-2000:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["accuracy", "real-sizes"])
+    parser.add_argument("what", choices=["accuracy", "real-sizes", "search"])
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--model", help="NAME:FLAVOR (default: llama3:debugmodel)")
     args = parser.parse_args()
@@ -156,6 +183,8 @@ def main() -> None:
         name, _, flavor = (args.model or "llama3:debugmodel").partition(":")
         model = ["--model.name", name, "--model.flavor", flavor or "debugmodel"]
         accuracy(args.layouts.split(","), model)
+    elif args.what == "search":
+        search()
     else:
         real_sizes()
 

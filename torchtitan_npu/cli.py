@@ -97,7 +97,7 @@ def _plan_before_training(config: dict, world_size: int | None) -> None:
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from torchtitan_npu import launcher
-    from torchtitan_npu.config import preflight, resolve
+    from torchtitan_npu.config import parse_overrides, preflight, resolve
     from torchtitan_npu.distributed import check_torch_loads
     from torchtitan_npu.plan import devices
 
@@ -129,7 +129,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     from torchtitan_npu.plan import report
     from torchtitan_npu.plan.estimate import estimate
-    from torchtitan_npu.plan.search import search
+    from torchtitan_npu.plan.search import kept, search
 
     model = config.get("model", {})
     training = config.get("training", {})
@@ -144,7 +144,13 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         assert memory is not None  # checked above
         per_node = int(args.nproc_per_node)
         ranked = search(
-            config, world_size, per_node, memory, target, all_layers=args.all_layers
+            config,
+            world_size,
+            per_node,
+            memory,
+            target,
+            all_layers=args.all_layers,
+            fixed=kept(parse_overrides(overrides)),
         )
         print(report.ranking(ranked, memory))
         planned = report.bars(ranked)
@@ -482,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="plan the layouts the device count allows (tp, ep, HSDP, "
         "activation checkpointing, local batch; pp and cp where nothing fits "
-        "without); rank those that fit",
+        "without), keeping those given as overrides; rank those that fit",
     )
     plan.add_argument(
         "--measure",

@@ -5,15 +5,20 @@ round varies the tensor-parallel degree (within a node), the expert-parallel
 degree (MoE models, where the era plans EP: the degrees dividing both the
 FSDP degree and the routed experts), activation checkpointing and the local
 batch; FSDP shards over the remaining devices. A smaller local batch is
-tried only while the larger one does not fit. Where a layout fits on several
-nodes, HSDP replicates it over each divisor of the node count while it still
-fits (less traffic between nodes).
+tried only while the larger one does not fit, a heavier checkpointing mode
+only while the lighter one needs a smaller batch. Where a layout fits on
+several nodes, HSDP replicates it over each divisor of the node count while
+it still fits (less traffic between nodes).
 
 Pipeline and context parallelism split the model's work further, at a cost
 (a pipeline bubble, attention's exchanges), so they are tried only where
 nothing fits without: the smallest split first (pp x cp = 2, then 4, ...),
 each PP degree leaving every stage a layer, with the config's schedule and
 the other common ones, each CP degree dividing the sequence.
+
+A degree, schedule, checkpointing mode or local batch given on the command
+line (``--parallelism.tensor_parallel_degree 8``) is kept: only the rest
+varies.
 """
 
 import copy
@@ -29,6 +34,18 @@ from torchtitan_npu.plan.estimate import Estimate, estimate
 
 AC_MODES = ("none", "selective", "full")  # lightest (fastest) first
 SCHEDULES = ("1F1B", "Interleaved1F1B")  # tried beside the config's own
+# The command-line overrides a search keeps as given: key -> Candidate field.
+KEPT = {
+    "parallelism.data_parallel_replicate_degree": "replicate",
+    "parallelism.data_parallel_shard_degree": "fsdp",
+    "parallelism.tensor_parallel_degree": "tp",
+    "parallelism.pipeline_parallel_degree": "pp",
+    "parallelism.pipeline_parallel_schedule": "schedule",
+    "parallelism.context_parallel_degree": "cp",
+    "parallelism.expert_parallel_degree": "ep",
+    "activation_checkpoint.mode": "ac",
+    "training.local_batch_size": "local_batch",
+}
 
 
 @dataclass
@@ -48,12 +65,24 @@ class Candidate:
     def peak(self) -> int:
         return self.estimate.worst.peak if self.estimate else 0
 
+    def fits(self, memory: int) -> bool:
+        return self.estimate is not None and self.peak() <= memory
+
     def name(self) -> str:
         """E.g. ``replicate 2 x fsdp 4 x tp 2`` or ``fsdp 1 x pp 2 (1F1B)``."""
         degrees = [("replicate", self.replicate), ("fsdp", self.fsdp)]
         degrees += [("pp", self.pp), ("cp", self.cp), ("tp", self.tp), ("ep", self.ep)]
         used = [f"{n} {d}" for n, d in degrees if d > 1 or n == "fsdp"]
         return " x ".join(used) + (f" ({self.schedule})" if self.pp > 1 else "")
+
+
+def kept(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The candidate fields the command line's ``--section.key`` overrides
+    fix (an FSDP degree of -1, "the rest", fixes nothing)."""
+    fixed = {KEPT[key]: value for key, value in overrides.items() if key in KEPT}
+    if fixed.get("fsdp") == -1:
+        del fixed["fsdp"]
+    return fixed
 
 
 def layout_config(config: dict[str, Any], c: Candidate) -> dict:
@@ -83,10 +112,12 @@ def search(
     target: str,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
     all_layers: bool = False,
+    fixed: dict[str, Any] | None = None,
 ) -> list[Candidate]:
-    """Plan every candidate on ``target`` devices; fitting ones first
-    (fastest expected first), then the misses by how much they exceed
-    ``memory``."""
+    """Plan every candidate on ``target`` devices, keeping the ``fixed``
+    fields (see ``kept``); fitting ones first (fastest expected first), then
+    the misses by how much they exceed ``memory``."""
+    fixed = fixed or {}
     batch = config.get("training", {}).get("local_batch_size", 8)
     planned: list[Candidate] = []
 
@@ -106,44 +137,84 @@ def search(
         planned.append(c)
         shown = _gib(c.peak()) if c.estimate else c.failure
         progress(f"{tag} {c.name()}, ac {c.ac}, batch {c.local_batch}: {shown}")
-        return c.estimate is not None and c.peak() <= memory
+        return c.fits(memory)
 
+    nodes = world_size // per_node
     for split in range(1, world_size + 1):
-        candidates = groups(config, world_size, per_node, split)
-        if not candidates:
+        if world_size % split:
             continue
-        if split > 1:
+        shaped = groups(config, world_size, per_node, split)
+        layouts = [kept for g in shaped if (kept := keep(g, fixed)) is not None]
+        if not layouts:
+            continue
+        if planned:
             progress(f"no layout fits with pp x cp below {split}: trying {split}")
-        for i, group in enumerate(candidates, 1):
-            tag = f"[{i}/{len(candidates)}]"
-            plan_group(group, batch, world_size // per_node, partial(attempt, tag=tag))
-        if any(c.estimate and c.peak() <= memory for c in planned):
+        for i, layout in enumerate(layouts, 1):
+            tag = f"[{i}/{len(layouts)}]"
+            plan_layout(layout, batch, nodes, fixed, partial(attempt, tag=tag))
+        if any(c.fits(memory) for c in planned):
             break
+    if not planned:
+        flags = {field: key for key, field in KEPT.items()}
+        given = " ".join(f"--{flags[field]} {v}" for field, v in fixed.items())
+        raise PlanError(
+            f"no layout of {world_size} devices ({per_node} per node) keeps "
+            f"{given}; change or drop these overrides"
+        )
     return rank(planned, memory)
 
 
-def plan_group(
-    group: Candidate, batch: int, nodes: int, attempt: Callable[[Candidate], bool]
+def keep(layout: Candidate, fixed: dict[str, Any]) -> Candidate | None:
+    """``layout`` with the ``fixed`` replicate degree taken from its FSDP
+    degree, or None where it differs from a ``fixed`` field."""
+    replicate = fixed.get("replicate", 1)
+    if layout.fsdp % replicate:
+        return None
+    layout = replace(layout, fsdp=layout.fsdp // replicate, replicate=replicate)
+    fields = {"fsdp", "tp", "ep", "pp", "cp"} | (
+        {"schedule"} if layout.pp > 1 else set()
+    )
+    if any(getattr(layout, f) != fixed[f] for f in fields & fixed.keys()):
+        return None
+    return layout
+
+
+def plan_layout(
+    layout: Candidate,
+    batch: int,
+    nodes: int,
+    fixed: dict[str, Any],
+    attempt: Callable[[Candidate], bool],
 ) -> None:
-    """The group's layout with its local batch halved from ``batch`` while it
-    does not fit; then the fitting one replicated over more nodes (HSDP)
-    while it still fits."""
-    size = batch
-    while not attempt(c := replace(group, local_batch=size)):
-        if c.failure or size == 1:
-            return
-        size //= 2
-    for r in hsdp_degrees(c.fsdp, nodes, c.ep):
-        if not attempt(replace(c, fsdp=c.fsdp // r, replicate=r, estimate=None)):
-            return
+    """``layout`` under each checkpointing mode, lightest first, while the
+    lighter one needs a smaller batch than ``batch``: its local batch halved
+    while it does not fit (unless ``fixed``), then the fitting one replicated
+    over more nodes (HSDP) while it still fits, unless the replicate degree
+    is ``fixed``."""
+    for ac in [fixed["ac"]] if "ac" in fixed else AC_MODES:
+        size = batch
+        while not attempt(c := replace(layout, ac=ac, local_batch=size)):
+            if c.failure:  # refused: no other mode or batch makes it run
+                return
+            if size == 1 or "local_batch" in fixed:
+                break
+            size //= 2
+        else:
+            if "replicate" not in fixed:
+                for r in hsdp_degrees(c.fsdp, nodes, c.ep):
+                    hsdp = replace(c, fsdp=c.fsdp // r, replicate=r, estimate=None)
+                    if not attempt(hsdp):
+                        break
+            if size == batch:  # a heavier mode would only be slower
+                return
 
 
 def groups(
     config: dict[str, Any], world_size: int, per_node: int, split: int
 ) -> list[Candidate]:
     """The layouts whose pipeline x context degrees make ``split``: every
-    TP degree within a node, PP schedule, EP degree and checkpointing mode;
-    FSDP over the rest (local batch still to choose)."""
+    TP degree within a node, PP schedule and EP degree; FSDP over the rest
+    (checkpointing and local batch still to choose)."""
     experts, layers = routed_experts(config), layer_count(config)
     seq = config.get("training", {}).get("seq_len", 0)
     own = config.get("parallelism", {}).get("pipeline_parallel_schedule")
@@ -155,11 +226,10 @@ def groups(
         for pp, cp in model_splits(split, layers, seq):
             fsdp = world_size // (tp * split)
             for schedule in schedules if pp > 1 else [""]:
-                for ep in expert_degrees(config, fsdp, experts):
-                    out += [
-                        Candidate(fsdp, tp, ac, 0, ep, pp, cp, schedule=schedule)
-                        for ac in AC_MODES
-                    ]
+                out += [
+                    Candidate(fsdp, tp, AC_MODES[0], 0, ep, pp, cp, schedule=schedule)
+                    for ep in expert_degrees(config, fsdp, experts)
+                ]
     return out
 
 
@@ -229,7 +299,7 @@ def expert_degrees(config: dict[str, Any], shard: int, experts: int) -> list[int
 def rank(planned: list[Candidate], memory: int) -> list[Candidate]:
     """Fits (larger batch, lighter checkpointing, smaller TP, PP and CP, more
     replication first), then misses by excess, then refusals."""
-    fits = [c for c in planned if c.estimate and c.peak() <= memory]
+    fits = [c for c in planned if c.fits(memory)]
     fits.sort(
         key=lambda c: (
             -c.local_batch,
