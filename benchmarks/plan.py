@@ -20,6 +20,7 @@ given on the command line (kept): candidates planned, wall time, the best.
 
 import argparse
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -167,7 +168,9 @@ def search() -> None:
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    planned = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    planned = [
+        line for line in result.stderr.splitlines() if re.match(r"\[\d+/\d+\] ", line)
+    ]
     print(" ".join(SEARCH))
     print(f"{len(planned)} candidates planned, wall {wall:.1f} s")
     print(result.stdout or result.stderr[-2000:])

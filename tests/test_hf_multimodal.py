@@ -425,3 +425,72 @@ def test_kimi_text_logits_match_transformers(tmp_path):
     # upstream's GroupedExperts compute in bf16 (as deepseek_v3's, see
     # docs/hf_checkpoints.md [1])
     assert (ours - theirs).abs().max() <= 1e-3 * theirs.abs().max()
+
+
+def image_batch(sizes: list[tuple[int, int]], patch: int):
+    """(raster patches of every image, concatenated; the same padded per
+    image as upstream takes them; grid_thw)."""
+    grid = torch.tensor([[1, h, w] for h, w in sizes])
+    counts = grid.prod(-1).tolist()
+    g = torch.Generator().manual_seed(0)
+    patches = torch.randn(sum(counts), 3, patch, patch, generator=g)
+    padded = torch.zeros(len(counts), max(counts), 3 * patch * patch)
+    for i, image in enumerate(patches.flatten(1).split(counts)):
+        padded[i, : len(image)] = image
+    return patches, padded, grid
+
+
+def test_kimi_images_in_one_batch_encode_as_each_alone():
+    """The vision tower on CPU (its block mask built eagerly by the overlay:
+    the compiled builder's CPU code does not compile): each image of a padded
+    batch gets the features it gets alone."""
+    args = kimi_args()
+    with one_device():
+        encoder = initialised(args).vision_encoder
+        sizes = [(8, 12), (4, 6)]
+        _, padded, grid = image_batch(sizes, args.vision_encoder.patch_size)
+        with torch.no_grad():
+            batch = encoder(padded, grid_thw=grid)
+            for i, (h, w) in enumerate(sizes):
+                alone = encoder(padded[i : i + 1, : h * w], grid_thw=grid[i : i + 1])
+                merged = h * w // 4  # 2 x 2 patches per token
+                torch.testing.assert_close(batch[i, :merged], alone[0, :merged])
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers, "Kimi_K25ForConditionalGeneration"),
+    reason="transformers has no Kimi K2.5 before 5.x (nox -s transformers5)",
+)
+def test_kimi_vision_features_match_transformers(tmp_path):
+    """The export's vision tower and projector, in transformers, give the
+    native image features: two images of other sizes than the position
+    table's (bicubic resampling), one batch (upstream pads them, transformers
+    concatenates)."""
+    args = as_hf_deepseek(kimi_args())
+    with one_device():
+        model = initialised(args)
+        with torch.no_grad():
+            for p in model.vision_encoder.parameters():  # zero-initialised too
+                if not p.any():
+                    p.normal_(0, 0.1)
+        hf = adapter_class("kimi_k2_7", ERA)(args, None).to_hf(model.state_dict())
+        save_file(
+            {k: v.contiguous() for k, v in hf.items()}, tmp_path / "model.safetensors"
+        )
+        config = architecture.exported("kimi_k2_7", args, ERA)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        loaded = transformers.AutoModelForImageTextToText.from_pretrained(
+            tmp_path, dtype=torch.float32
+        ).eval()
+        patches, padded, grid = image_batch(
+            [(8, 12), (4, 6)], args.vision_encoder.patch_size
+        )
+        counts = grid.prod(-1).tolist()
+        with torch.no_grad():
+            ours = model.vision_encoder(padded, grid_thw=grid)
+            theirs = loaded.model.get_image_features(patches, image_grid_thw=grid)
+        for i, features in enumerate(theirs.pooler_output):
+            assert features.shape[0] == counts[i] // 4  # 2 x 2 patches merged
+            torch.testing.assert_close(
+                ours[i, : len(features)], features, rtol=1e-5, atol=1e-5
+            )

@@ -69,6 +69,33 @@ EAGER_FLEX_ATTENTION = Patch(
 )
 
 
+def _apply_eager_block_mask(target: Target, ctx: PatchContext) -> list[Change]:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return [Change(target.owner, target.attr, create_block_mask, rebind=True)]
+
+
+EAGER_VISION_BLOCK_MASK = Patch(
+    name="eager_vision_block_mask",
+    target="torchtitan.models.common.vision_encoder:compiled_create_block_mask",
+    kind="replace",
+    reason=(
+        "the vision encoders (Kimi K2.5, Qwen3.5) build their block-diagonal "
+        "image mask with torch.compile(create_block_mask), whose CPU code does "
+        "not compile (inductor: 'operands to ?: have different types VecMask<int> "
+        "and VecMask<float>'); the eager builder makes the same mask."
+    ),
+    eras=(Era.CONFIG_REGISTRY,),
+    upstream_ref=(
+        "torch 2.14 inductor's CPU vectorization of the mask_mod of "
+        "get_vision_block_mask_mod (reproduced on every image batch on CPU)"
+    ),
+    remove_when="torch's inductor compiles the vision mask on CPU",
+    apply=_apply_eager_block_mask,
+    skip=skip_unless_cpu,
+)
+
+
 def _apply_hf_adapter(target: Target, ctx: PatchContext) -> list[Change]:
     from torchtitan_npu.state_dict_adapters.upstream_adapter import with_adapter
 
@@ -414,6 +441,7 @@ PLAN_ROUTING = [
 
 PATCHES = [
     EAGER_FLEX_ATTENTION,
+    EAGER_VISION_BLOCK_MASK,
     VARLEN_ATTENTION_REFERENCE,
     GPT_OSS_EXPERTS_DTYPE,
     GPT_OSS_TP_EXPERT_BIAS,
