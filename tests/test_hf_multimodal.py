@@ -440,20 +440,24 @@ def image_batch(sizes: list[tuple[int, int]], patch: int):
     return patches, padded, grid
 
 
-def test_kimi_images_in_one_batch_encode_as_each_alone():
-    """The vision tower on CPU (its block mask built eagerly by the overlay:
-    the compiled builder's CPU code does not compile): each image of a padded
-    batch gets the features it gets alone."""
-    args = kimi_args()
+@pytest.mark.parametrize("model", ["kimi_k2_7", "qwen3_5"])
+def test_images_in_one_batch_encode_as_each_alone(model):
+    """The vision towers on CPU (their block mask built eagerly by the
+    overlay: the compiled builder's CPU code does not compile): each image of
+    a padded batch gets the features it gets alone."""
+    args = kimi_args() if model == "kimi_k2_7" else small("debugmodel")
     with one_device():
         encoder = initialised(args).vision_encoder
-        sizes = [(8, 12), (4, 6)]
-        _, padded, grid = image_batch(sizes, args.vision_encoder.patch_size)
+        grid = torch.tensor([[1, 8, 12], [1, 4, 6]])  # [t, h, w] in patches
+        counts = grid.prod(-1).tolist()
+        g = torch.Generator().manual_seed(0)
+        padded = torch.randn(2, counts[0], encoder.patch_embed.in_features, generator=g)
+        padded[1, counts[1] :] = 0
         with torch.no_grad():
             batch = encoder(padded, grid_thw=grid)
-            for i, (h, w) in enumerate(sizes):
-                alone = encoder(padded[i : i + 1, : h * w], grid_thw=grid[i : i + 1])
-                merged = h * w // 4  # 2 x 2 patches per token
+            for i, count in enumerate(counts):
+                alone = encoder(padded[i : i + 1, :count], grid_thw=grid[i : i + 1])
+                merged = count // 4  # 2 x 2 patches per token
                 torch.testing.assert_close(batch[i, :merged], alone[0, :merged])
 
 
