@@ -501,6 +501,7 @@ def test_search_plans_moe_layouts_with_and_without_expert_parallelism():
     assert {name for name, _ in layouts} == {"fsdp 2", "fsdp 2 x ep 2"}
     assert {("fsdp 2", "none"), ("fsdp 2 x ep 2", "none")} <= layouts
     assert "[2/2] fsdp 2 x ep 2, ac none" in result.stderr
+    assert "2 layout(s) to plan" in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -149,6 +149,13 @@ def search(
             continue
         if planned:
             progress(f"no layout fits with pp x cp below {split}: trying {split}")
+        modes = 1 if "ac" in fixed else len(AC_MODES)
+        halved = "" if "local_batch" in fixed else " (halved while it misses)"
+        progress(
+            f"{len(layouts)} layout(s) to plan, each with up to {modes} "
+            f"checkpointing mode(s) and local batch {batch}{halved}; what the "
+            "command line sets is kept (set more to plan fewer)"
+        )
         for i, layout in enumerate(layouts, 1):
             tag = f"[{i}/{len(layouts)}]"
             plan_layout(layout, batch, nodes, fixed, partial(attempt, tag=tag))
