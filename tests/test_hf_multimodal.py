@@ -394,6 +394,18 @@ def test_kimi_text_only_flavor_is_a_deepseek_checkpoint():
     assert {n for g in back for n in g.native} == set(layout)
 
 
+def kimi_in_transformers(model, args, path):
+    """``model``'s export to ``path``, loaded by transformers' own
+    from_pretrained (which renames the release's keys itself)."""
+    hf = adapter_class("kimi_k2_7", ERA)(args, None).to_hf(model.state_dict())
+    save_file({k: v.contiguous() for k, v in hf.items()}, path / "model.safetensors")
+    config = architecture.exported("kimi_k2_7", args, ERA)
+    (path / "config.json").write_text(json.dumps(config))
+    return transformers.AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch.float32
+    ).eval()
+
+
 @pytest.mark.skipif(
     not hasattr(transformers, "Kimi_K25ForConditionalGeneration"),
     reason="transformers has no Kimi K2.5 before 5.x (nox -s transformers5)",
@@ -406,15 +418,7 @@ def test_kimi_text_logits_match_transformers(tmp_path):
     args = as_hf_deepseek(kimi_args())
     with one_device():
         model = initialised(args)
-        hf = adapter_class("kimi_k2_7", ERA)(args, None).to_hf(model.state_dict())
-        save_file(
-            {k: v.contiguous() for k, v in hf.items()}, tmp_path / "model.safetensors"
-        )
-        config = architecture.exported("kimi_k2_7", args, ERA)
-        (tmp_path / "config.json").write_text(json.dumps(config))
-        loaded = transformers.AutoModelForImageTextToText.from_pretrained(
-            tmp_path, dtype=torch.float32
-        ).eval()
+        loaded = kimi_in_transformers(model, args, tmp_path)
         tokens = torch.randint(
             0, 2000, (2, 32), generator=torch.Generator().manual_seed(1)
         )
@@ -477,15 +481,7 @@ def test_kimi_vision_features_match_transformers(tmp_path):
             for p in model.vision_encoder.parameters():  # zero-initialised too
                 if not p.any():
                     p.normal_(0, 0.1)
-        hf = adapter_class("kimi_k2_7", ERA)(args, None).to_hf(model.state_dict())
-        save_file(
-            {k: v.contiguous() for k, v in hf.items()}, tmp_path / "model.safetensors"
-        )
-        config = architecture.exported("kimi_k2_7", args, ERA)
-        (tmp_path / "config.json").write_text(json.dumps(config))
-        loaded = transformers.AutoModelForImageTextToText.from_pretrained(
-            tmp_path, dtype=torch.float32
-        ).eval()
+        loaded = kimi_in_transformers(model, args, tmp_path)
         patches, padded, grid = image_batch(
             [(8, 12), (4, 6)], args.vision_encoder.patch_size
         )
