@@ -67,23 +67,63 @@ def test_apply_is_idempotent_and_revert_restores_originals(upstream):
 
 
 def test_sum_reduction_patch_changes_fsdp_reduce_ops(upstream):
+    import torch.distributed as dist
     from torch.distributed import ReduceOp
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    def ops():
+    def ops(group):
         return _fsdp_collectives._get_gradient_divide_factors(
-            None, None, torch.float32, "cpu", 2.0
+            group, None, torch.float32, "cpu", 2.0
         )
 
-    # Unpatched: PREMUL_SUM(1/2) for the reduce-scatter, which gloo rejects.
-    assert ops()[2] != ReduceOp.SUM and ops()[:2] == (None, None)
-    with Overlay().applied(
-        patches_for(upstream.era), cpu_context(upstream), upstream.fingerprints
-    ):
-        pre, post, reduce_scatter_op, all_reduce_op = ops()
-        assert reduce_scatter_op == ReduceOp.SUM and all_reduce_op == ReduceOp.SUM
-        assert (pre or 1.0) * (post or 1.0) == pytest.approx(2.0)  # a separate divide
-    assert ops()[2] != ReduceOp.SUM
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        two_ranks = dist.group.WORLD
+        # Unpatched: PREMUL_SUM(1/2) for the reduce-scatter, which gloo rejects.
+        assert ops(two_ranks)[2] != ReduceOp.SUM and ops(two_ranks)[:2] == (None, None)
+        with Overlay().applied(
+            patches_for(upstream.era), cpu_context(upstream), upstream.fingerprints
+        ):
+            pre, post, reduce_scatter_op, all_reduce_op = ops(two_ranks)
+            assert reduce_scatter_op == ReduceOp.SUM and all_reduce_op == ReduceOp.SUM
+            assert (pre or 1.0) * (post or 1.0) == pytest.approx(
+                2.0
+            )  # a separate divide
+            # One rank: foreach_reduce divides by the factor itself.
+            assert ops(None)[:2] == (None, None)
+        assert ops(two_ranks)[2] != ReduceOp.SUM
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_fsdp_group_divides_its_gradient_once(upstream, tmp_path):
+    """0.2.0/0.2.1 give EP's experts an FSDP group of one rank (FSDP degree =
+    EP degree) and a divide factor; with SUM forced, torch divided twice."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    plain, x = torch.nn.Linear(4, 4), torch.randn(3, 4)
+    sharded = copy.deepcopy(plain)
+    plain(x).sum().backward()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        with Overlay().applied(
+            patches_for(upstream.era), cpu_context(upstream), upstream.fingerprints
+        ):
+            fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+            sharded.set_gradient_divide_factor(2.0)
+            sharded(x).sum().backward()
+        for p, q in zip(plain.parameters(), sharded.parameters(), strict=True):
+            assert torch.equal(q.grad.full_tensor(), p.grad / 2)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_drifted_target_is_an_error_before_anything_changes(upstream, monkeypatch):

@@ -244,11 +244,6 @@ _EP_UNSUPPORTED = {
     "0.2.1": "upstream 0.2.1 asks for the TP mesh whenever EP is on "
     "(parallelize_llama: parallel_dims.get_mesh('tp'), 'Mesh tp is not "
     "available' without TP; measured 2026-12-03); 0.2.2 asks for it optionally",
-    "0.2.0": "upstream 0.2.0's grad_norm under EP is off the one-device run from "
-    "step 1 while the loss is equal (qwen3 MoE 6.4e-4, llama4 3.0e-4; 0.2.2: "
-    "4.2e-5 / 7.5e-5), and clipping carries it into the later losses (qwen3 "
-    "MoE 2.0e-4 at step 3); determinism and resume bitwise (measured "
-    "2026-12-03); not explained yet",
 }
 OTHER_MODELS = {
     # row prefix: (model, flavor, MoE, unsupported, tp unsupported (everywhere,

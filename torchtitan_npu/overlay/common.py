@@ -9,7 +9,13 @@ if TYPE_CHECKING:
     import torch
 
 from torchtitan_npu.compat.era import Era
-from torchtitan_npu.overlay.registry import Change, Patch, PatchContext, Target
+from torchtitan_npu.overlay.registry import (
+    Change,
+    Patch,
+    PatchContext,
+    Target,
+    no_change,
+)
 
 ALL_ERAS = tuple(Era)
 
@@ -88,7 +94,7 @@ def _apply_sum_reduction(target: Target, ctx: PatchContext) -> list[Change]:
         factor=None,
         force_sum_reduction_for_comms=False,
     ):
-        return original(
+        pre, post, reduce_scatter_op, all_reduce_op = original(
             reduce_scatter_group,
             all_reduce_group,
             reduce_dtype,
@@ -96,8 +102,17 @@ def _apply_sum_reduction(target: Target, ctx: PatchContext) -> list[Change]:
             factor,
             True,
         )
+        if factor is not None and _one_rank(reduce_scatter_group):
+            # foreach_reduce skips a one-rank reduce-scatter and divides by the
+            # factor itself; a pre/post divide on top would divide twice.
+            return None, None, reduce_scatter_op, all_reduce_op
+        return pre, post, reduce_scatter_op, all_reduce_op
 
     return [Change(target.owner, target.attr, get_gradient_divide_factors)]
+
+
+def _one_rank(group) -> bool:
+    return group is None or group.size() == 1
 
 
 def _skip_sum_reduction(ctx: PatchContext) -> str | None:
@@ -117,7 +132,9 @@ FSDP_SUM_REDUCTION = Patch(
         "FSDP2 reduce-scatters gradients with ReduceOp.AVG or PREMUL_SUM when "
         "torchtitan sets a divide factor; gloo has neither and HCCL lacks "
         "PREMUL_SUM. Forces SUM collectives with a separate divide (FSDP2's own "
-        "force_sum_reduction_for_comms path)."
+        "force_sum_reduction_for_comms path), except on a one-rank shard group, "
+        "which foreach_reduce divides itself (torch divides twice there: "
+        "0.2.0/0.2.1's experts under EP = FSDP degree got half their gradient)."
     ),
     eras=ALL_ERAS,
     upstream_ref=(
@@ -129,6 +146,27 @@ FSDP_SUM_REDUCTION = Patch(
         "and HCCL implement AVG and PREMUL_SUM"
     ),
     apply=_apply_sum_reduction,
+    skip=_skip_sum_reduction,
+)
+
+
+# What fsdp_sum_reduction leaves to torch on a one-rank shard group.
+FSDP_ONE_RANK_DIVIDE = Patch(
+    name="fsdp_one_rank_divide",
+    target="torch.distributed.fsdp._fully_shard._fsdp_collectives:foreach_reduce",
+    kind="depend",
+    reason=(
+        "fsdp_sum_reduction leaves a one-rank shard group's divide to "
+        "foreach_reduce, which skips the reduce-scatter there and divides by the "
+        "gradient divide factor itself"
+    ),
+    eras=ALL_ERAS,
+    upstream_ref=(
+        "none upstream: torch divides twice only on the SUM path torchtitan never "
+        "forces (0.2.0/0.2.1 set a divide factor on EP's expert FSDP group)"
+    ),
+    remove_when="the fsdp_sum_reduction record goes",
+    apply=no_change,
     skip=_skip_sum_reduction,
 )
 
@@ -458,6 +496,7 @@ PLAN_PIPELINE = [
 PATCHES = [
     DEVICE,
     FSDP_SUM_REDUCTION,
+    FSDP_ONE_RANK_DIVIDE,
     FLEX_CPU_BACKWARD,
     HCCL_SUM_ONLY,
     HCCL_ENV,
