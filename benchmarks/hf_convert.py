@@ -3,7 +3,11 @@
 On one >= 1 GB checkpoint (qwen3 0.6B shapes, bf16, random weights, sharded
 like HF), each step runs in a fresh interpreter (so peak RSS is its own):
 
-- raw floor: read every tensor with safetensors, write it back unchanged;
+- raw floor: read every tensor with safetensors, write it back unchanged
+  (into the page cache: done before the bytes reach the disk); and the same
+  with an fsync of each file, on disk as the conversions' O_DIRECT writes are
+  when they return (on a VM whose page-cache writes are fast right after
+  others and slow after an idle pause, the two bracket the disk);
 - titan-npu from-hf (HF -> DCP) and to-hf (DCP -> HF);
 - the same model in DeepSeek's block-wise FP8 (128 x 128 scales on every
   linear weight): its raw floor, and from-hf dequantizing it to bf16;
@@ -125,16 +129,23 @@ def make_fp8_source(work: Path) -> None:
     (out / "config.json").write_text(json.dumps(config))
 
 
-def _raw_copy(source: Path, out: Path) -> None:
+def _raw_copy(source: Path, out: Path, on_disk: bool = False) -> None:
     from safetensors.torch import load_file, save_file
 
     out.mkdir()
     for file in sorted(source.glob("*.safetensors")):
         save_file(load_file(file), out / file.name, metadata={"format": "pt"})
+        if on_disk:  # as the conversions' O_DIRECT writes are when they return
+            with open(out / file.name, "rb") as f:
+                os.fsync(f.fileno())
 
 
 def step_raw(work: Path) -> None:
     _raw_copy(work / "hf", work / "raw")
+
+
+def step_raw_on_disk(work: Path) -> None:
+    _raw_copy(work / "hf", work / "raw", on_disk=True)
 
 
 def step_raw_fp8(work: Path) -> None:
@@ -201,6 +212,7 @@ def step_upstream_to_hf(work: Path) -> None:
 FP8_STEP = "titan-npu from-hf, FP8 -> bf16 (dequantized)"
 STEPS = {
     "raw floor (safetensors read + write)": (step_raw, "hf"),
+    "raw floor on disk (read + write + fsync)": (step_raw_on_disk, "hf"),
     "titan-npu from-hf (HF -> DCP)": (step_from_hf, "hf"),
     "upstream from-hf (DCP + HF reader)": (step_upstream_from_hf, "hf"),
     "titan-npu to-hf (DCP -> HF)": (step_to_hf, "ours-dcp"),
@@ -213,6 +225,7 @@ STEPS = {
 # against itself.
 FLOOR = {name: "raw floor (safetensors read + write)" for name in STEPS}
 FP8_FLOOR = "raw floor, FP8 files (safetensors read + write)"
+DISK_FLOOR = "raw floor on disk (read + write + fsync)"
 FLOOR[FP8_FLOOR] = FP8_FLOOR
 
 
@@ -278,15 +291,18 @@ def main() -> None:
     )
     print(f"largest tensor group: {largest:.0f} MiB\n")
     print(
-        "| step | s | GB/s | x floor | peak RSS MiB | RSS growth MiB | growth / group |"
+        "| step | s | GB/s | x floor | x on-disk floor | peak RSS MiB "
+        "| RSS growth MiB | growth / group |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in rows:
         gbs = total / 1e9 / r["seconds"]
         growth = r["peak"] - r["baseline"]
         floor = seconds[FLOOR[name]] / r["seconds"]
+        on_disk = seconds[DISK_FLOOR] / r["seconds"]
         print(
             f"| {name} | {r['seconds']:.2f} | {gbs:.2f} | {floor:.2f} | "
+            f"{on_disk:.2f} | "
             f"{r['peak']:.0f} | {growth:.0f} | {growth / largest:.2f} |"
         )
     fp8 = seconds[FP8_FLOOR] / seconds[FP8_STEP]
