@@ -1,6 +1,8 @@
 """Upstream's other models through the overlay on CPU (issue: every upstream
 model trains): the paths that failed on CPU before a patch filled them."""
 
+from importlib.util import find_spec
+
 import pytest
 import torch
 from support import (
@@ -104,6 +106,21 @@ def test_a_model_whose_optional_package_is_missing_says_what_installs_it(
         base_config("kimi_k2_7", "kimi_k2_5_debugmodel")
     assert str(error.value) == (
         "model 'kimi_k2_7' needs torchvision (pip install 'titan-npu[multimodal]')"
+    )
+
+
+@requires_era("config_registry")
+@pytest.mark.skipif(find_spec("torchao") is not None, reason="torchao is installed")
+def test_a_flavor_whose_recipe_needs_a_missing_package_says_what_installs_it():
+    """0.3's llama3 `8b_mxfp8` recipe builds torchao's MX linear converter,
+    which raises ImportError without torchao: one line, not a traceback."""
+    from torchtitan_npu.config.config_registry import base_config
+    from torchtitan_npu.config.schema import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        base_config("llama3", "8b_mxfp8")
+    assert str(error.value) == (
+        "model 'llama3' flavor '8b_mxfp8' needs torchao (pip install torchao)"
     )
 
 

@@ -77,7 +77,10 @@ def base_config(name: str, flavor: str) -> Any:
             f"model {name!r} has no flavor {flavor!r} in era {ERA}"
             f"{did_you_mean(flavor, available)}; known flavors: {available}"
         )
-    return function()
+    try:
+        return function()
+    except ImportError as e:  # e.g. a float8 recipe without torchao
+        raise ConfigError(f"model {name!r} flavor {flavor!r} {needs(e)}") from e
 
 
 def flavors(name: str) -> list[str]:
