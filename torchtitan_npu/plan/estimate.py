@@ -14,6 +14,7 @@ every layer.
 """
 
 import contextlib
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -194,15 +195,7 @@ def run_steps(trainer: Any, era_plan: Any, target: str) -> RankMemory:
         trainer.optimizers.step()
         phase_peak()
 
-    with (
-        memory,
-        attention_for(target),
-        collectives_for(target),
-        warnings.catch_warnings(),
-    ):
-        # Upstream's MoE router asks CPU autocast for float32, which it cannot
-        # do, every layer; the plan computes nothing, so it cannot matter.
-        warnings.filterwarnings("ignore", "In CPU autocast", UserWarning)
+    with memory, attention_for(target), collectives_for(target), _quiet():
         step()
         # The first step creates the optimizer states; on fake tensors it also
         # counts DTensor's sharding propagation (global shapes, under the same
@@ -210,6 +203,23 @@ def run_steps(trainer: Any, era_plan: Any, target: str) -> RankMemory:
         peaks.clear()
         step()
     return rank_memory(torch.distributed.get_rank(), peaks, model_state(trainer))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch's warnings about the simulated step (CPU autocast asked for
+    float32 by every MoE router, FSDP wrappers returning views, DTensor
+    redistributions in several collectives): the plan computes nothing, and
+    the real run still says them."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def rank_memory(
