@@ -27,6 +27,9 @@ BAD_INPUTS = [
         "needs a multiple of 4 processes, but this launch has 2",
     ),
     (["--parallelism.tensor_parallel_degree", "0"], "must be at least 1"),
+    (["--training.steps", "0"], "training.steps = 0: must be at least 1"),
+    (["--training.local_batch_size", "0"], "local_batch_size = 0: must be at least 1"),
+    (["--optimizer.lr", "-0.1"], "optimizer.lr = -0.1: must be at least 0"),
     (
         [
             "--nproc-per-node",
@@ -99,6 +102,32 @@ def test_bad_input_is_one_line_before_launch(
     assert problem in lines[0], lines[0]
     assert not dump.exists(), "nothing may be left behind"
     assert not captured.out
+
+
+@requires_era("config_registry")
+def test_a_sequence_the_chunked_loss_cannot_split_is_refused_before_launch(
+    tmp_path, capsys, deactivate_after
+):
+    """0.3's chunked loss splits each rank's sequence into 8 chunks; upstream
+    refuses another length only at the first step, in the ranks."""
+    dump = tmp_path / "run"
+    code = main(["train", "--job.dump_folder", str(dump), "--training.seq_len", "7"])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert "chunked loss cannot split into its 8 chunks; use a multiple of 8" in (
+        captured.err
+    )
+    assert len(captured.err.strip().splitlines()) == 1 and not dump.exists()
+
+
+def test_a_dump_folder_that_cannot_be_made_is_one_line(capsys, deactivate_after):
+    code = main(["train", "--job.dump_folder", "/proc/titan-npu/run"])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert captured.err.strip() == (
+        "titan-npu: error: dump folder /proc/titan-npu/run cannot be written (No "
+        "such file or directory); choose another --job.dump_folder"
+    )
 
 
 @requires_era("trainspec")

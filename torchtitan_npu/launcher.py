@@ -84,8 +84,14 @@ class DumpFolderLock:
         import fcntl
 
         self.created_folder = not self.path.parent.exists()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise LaunchError(
+                f"dump folder {self.path.parent} cannot be written ({e.strerror}); "
+                "choose another --job.dump_folder"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

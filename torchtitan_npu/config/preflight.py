@@ -61,6 +61,40 @@ def check_layout(config: dict[str, Any], world_size: int | None, launch: str) ->
         )
 
 
+# (section, key) -> the least value a run can use
+_LEAST = {
+    ("training", "steps"): 1,
+    ("training", "local_batch_size"): 1,
+    ("training", "seq_len"): 1,
+    ("optimizer", "lr"): 0,
+}
+
+
+def check_values(config: dict[str, Any]) -> None:
+    """Numbers upstream takes without a word (a negative learning rate, no
+    steps) or refuses only in the ranks (a batch of 0)."""
+    for (section, key), least in _LEAST.items():
+        value = config.get(section, {}).get(key)
+        if isinstance(value, (int, float)) and value < least:
+            raise ConfigError(f"{section}.{key} = {value}: must be at least {least}")
+
+
+def check_chunked_loss(translated: Any) -> None:
+    """0.3's chunked loss splits each rank's sequence into equal chunks; upstream
+    refuses another length at the first step."""
+    chunks = getattr(getattr(translated, "loss", None), "num_chunks", None)
+    if not chunks:
+        return
+    seq = _setting(translated, "training", "seq_len", 1)
+    cp = _setting(translated, "parallelism", "context_parallel_degree", 1)
+    if (seq // cp) % chunks:
+        raise ConfigError(
+            f"training.seq_len {seq} over context_parallel {cp} leaves each rank "
+            f"{seq // cp} tokens, which upstream's chunked loss cannot split into "
+            f"its {chunks} chunks; use a multiple of {chunks * cp}"
+        )
+
+
 def absolute_paths(config: dict[str, Any]) -> None:
     """Paths the ranks read, checked to exist and made absolute (upstream
     0.3.x requires an absolute initial_load_path)."""
@@ -187,6 +221,7 @@ def check(
     then what the run's ``device_type`` (this machine's unless given: a
     plan's target) cannot run."""
     check_layout(config, world_size, launch)
+    check_values(config)
     absolute_paths(config)
     hf_model.prepare(config)
     check_checkpoint(config)
@@ -216,6 +251,7 @@ def check(
     era.check_runnable(translated, device_type=device_type or here, version=version)
     check_expert_parallel(_parallelism(translated), world_size, launch)
     check_pipeline(translated)
+    check_chunked_loss(translated)
 
 
 _EXPERT_DEGREES = {"expert_parallel_degree": 1, "expert_tensor_parallel_degree": 1}
