@@ -104,19 +104,60 @@ def test_bad_input_is_one_line_before_launch(
     assert not captured.out
 
 
+LATE_IN_THE_RANKS = [  # 0.3.x refuses these only after torchrun started
+    (["--training.seq_len", "7"], "its 8 chunks; use a multiple of 8"),
+    (
+        ["--nproc-per-node", "3", "--parallelism.tensor_parallel_degree", "3"],
+        "training.seq_len 256 cannot be split evenly by tensor_parallel 3 "
+        "(sequence parallel): use a multiple of 3",
+    ),
+    (
+        ["--nproc-per-node", "2", "--parallelism.context_parallel_degree", "2"]
+        + ["--training.seq_len", "202"],
+        "context_parallel 2 (2 chunks a rank): use a multiple of 4",
+    ),
+    (
+        ["--nproc-per-node", "3", "--parallelism.tensor_parallel_degree", "3"]
+        + ["--training.seq_len", "384"],
+        "llama3 debugmodel: tensor_parallel_degree (3) must divide n_heads (16) "
+        "(upstream's own check)",
+    ),
+    (["--training.seq_len", "262144"], "exceeds attention RoPE maximum"),
+]
+
+
+LATE_IN_THE_RANKS_0_2 = [  # 0.2.x: an assertion, or a shape error in attention
+    (["--training.seq_len", "255"], "255 is not a multiple of tensor_parallel 1 x 2"),
+    (
+        ["--nproc-per-node", "3", "--parallelism.tensor_parallel_degree", "3"]
+        + ["--training.seq_len", "384"],
+        "tensor_parallel_degree 3 does not divide llama3 debugmodel's n_heads (16)",
+    ),
+]
+
+
 @requires_era("config_registry")
-def test_a_sequence_the_chunked_loss_cannot_split_is_refused_before_launch(
-    tmp_path, capsys, deactivate_after
+@pytest.mark.parametrize("args, problem", LATE_IN_THE_RANKS, ids=lambda v: str(v)[:40])
+def test_what_upstream_refuses_in_the_ranks_is_refused_before_launch(
+    args, problem, tmp_path, capsys, deactivate_after
 ):
-    """0.3's chunked loss splits each rank's sequence into 8 chunks; upstream
-    refuses another length only at the first step, in the ranks."""
+    _refused_before_launch(args, problem, tmp_path, capsys)
+
+
+@requires_era("trainspec")
+@pytest.mark.parametrize("args, problem", LATE_IN_THE_RANKS_0_2, ids=str)
+def test_what_0_2_refuses_in_the_ranks_is_refused_before_launch(
+    args, problem, tmp_path, capsys, deactivate_after
+):
+    _refused_before_launch(args, problem, tmp_path, capsys)
+
+
+def _refused_before_launch(args, problem, tmp_path, capsys):
     dump = tmp_path / "run"
-    code = main(["train", "--job.dump_folder", str(dump), "--training.seq_len", "7"])
+    code = main(["train", "--job.dump_folder", str(dump), *args])
     captured = capsys.readouterr()
     assert code == 2, captured
-    assert "chunked loss cannot split into its 8 chunks; use a multiple of 8" in (
-        captured.err
-    )
+    assert problem in captured.err
     assert len(captured.err.strip().splitlines()) == 1 and not dump.exists()
 
 
@@ -231,6 +272,25 @@ def test_failure_line_names_the_root_cause_rank(tmp_path):
     line, code = launcher.failure_line(result, tmp_path)
     assert line.startswith("rank 1 failed: ValueError: bad shard; 1 other rank(s)")
     assert code == 1
+
+
+def test_failure_line_joins_a_message_wrapped_over_a_few_lines(tmp_path):
+    """0.2.x's parallelize asserts with a message over three indented lines;
+    its last line alone ("(3) and 2 * CP degree (1).") says nothing."""
+    errors = tmp_path / "errors"
+    errors.mkdir()
+    message = (
+        "AssertionError: \n        Sequence length 256 must be divisible by the "
+        "product of TP degree\n        (3) and 2 * CP degree (1).\n        "
+    )
+    record = {"rank": "0", "message": message, "exitcode": 1, "time": 1.0}
+    (errors / "rank-0.json").write_text(json.dumps(record))
+    result = launcher.RunResult(1, tmp_path / "launcher.log", [], 1.0)
+    line, _ = launcher.failure_line(result, tmp_path)
+    assert line.startswith(
+        "rank 0 failed: AssertionError: Sequence length 256 must be divisible by "
+        "the product of TP degree (3) and 2 * CP degree (1). (full log: "
+    )
 
 
 def test_failure_line_puts_a_killed_rank_before_the_peer_it_broke(tmp_path):

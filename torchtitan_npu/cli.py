@@ -126,6 +126,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         world_size=None if args.search else world_size,
         launch=launch,
         device_type=target,
+        layout=not args.search,
     )
     from torchtitan_npu.plan import report
     from torchtitan_npu.plan.estimate import estimate

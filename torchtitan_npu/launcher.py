@@ -253,8 +253,7 @@ def failure_line(result: RunResult, run_dir: Path) -> tuple[str, int]:
         return f"torchrun {how} (full log: {result.log})", code or 1
     rank, code = root
     if rank in records:
-        message = records[rank]["message"].strip().splitlines()[-1][:400]
-        how = "failed: " + message.removeprefix("titan-npu: error: ")
+        how = "failed: " + _one_line(records[rank]["message"])
         code = int(records[rank]["exitcode"])
     elif code < 0:
         how = f"was killed by {signal.Signals(-code).name}"
@@ -264,6 +263,14 @@ def failure_line(result: RunResult, run_dir: Path) -> tuple[str, int]:
     others = len(set(records) - {rank})
     also = f"; {others} other rank(s) failed after it" if others else ""
     return f"rank {rank} {how}{also} (full log: {result.log})", code
+
+
+def _one_line(message: str) -> str:
+    """An exception message on one line: a short one whole (upstream's
+    assertions wrap theirs over a few lines), a long one by its last line."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    text = " ".join(lines) if len(lines) <= 4 else lines[-1]
+    return text[:400].removeprefix("titan-npu: error: ")
 
 
 _STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[0-9.]+(?:e[-+]?\d+)?)")

@@ -234,8 +234,35 @@ def _vision_frozen(parallelize_fn: Any, model: Any, *args: Any, **kwargs: Any) -
 
 
 def check_runnable(job: Any, *, device_type: str, version: str) -> None:
-    """What upstream refuses late for the translated job on ``device_type``:
-    nothing known on 0.3.x (its attention backends all have a CPU path)."""
+    """What upstream refuses late, in the ranks, for the translated job: the
+    sequence its sequence/context parallelism cannot split evenly (the
+    Trainer's own rule) and what the model config's own
+    ``update_from_config`` refuses (TP not dividing the heads, a sequence
+    beyond RoPE's, tying under PP), run here on a copy. Every 0.3.x attention
+    backend has a CPU path, so ``device_type`` adds nothing."""
+    import copy
+
+    parallelism, seq = job.parallelism, job.training.seq_len
+    sp = parallelism.enable_sequence_parallel and parallelism.tensor_parallel_degree
+    cp = parallelism.context_parallel_degree
+    divisor = (sp or 1) * (2 * cp if cp > 1 else 1)
+    if seq % divisor:
+        splits = [f"tensor_parallel {sp} (sequence parallel)"] if sp > 1 else []
+        splits += [f"context_parallel {cp} (2 chunks a rank)"] if cp > 1 else []
+        raise ConfigError(
+            f"training.seq_len {seq} cannot be split evenly by "
+            f"{' and '.join(splits)}: use a multiple of {divisor}"
+        )
+    config = copy.deepcopy(job)
+    model = config.model_spec.model
+    try:
+        model.update_from_config(config=config)
+    except (ValueError, NotImplementedError) as e:
+        spec = config.model_spec
+        raise ConfigError(
+            f"{spec.name} {spec.flavor}: {str(e).rstrip('.')} (upstream's own "
+            "check); change the parallel degrees, the training settings or the flavor"
+        ) from None
 
 
 def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:

@@ -216,10 +216,12 @@ def check(
     world_size: int | None,
     launch: str,
     device_type: str | None = None,
+    layout: bool = True,
 ) -> None:
     """Every check that needs no rank: layout, paths, the era translation,
     then what the run's ``device_type`` (this machine's unless given: a
-    plan's target) cannot run."""
+    plan's target) cannot run with its parallel degrees (not with
+    ``layout=False``: a search checks each layout it makes)."""
     check_layout(config, world_size, launch)
     check_values(config)
     absolute_paths(config)
@@ -248,6 +250,8 @@ def check(
             f"era {activation.context.era}'s ({type(e).__name__}: {e}); install "
             "a tested upstream (titan-npu --version lists the lock)"
         ) from e
+    if not layout:
+        return
     era.check_runnable(translated, device_type=device_type or here, version=version)
     check_expert_parallel(_parallelism(translated), world_size, launch)
     check_pipeline(translated)

@@ -126,19 +126,38 @@ def translate(
 
 def check_runnable(job: dict[str, Any], *, device_type: str, version: str) -> None:
     """What upstream refuses late (under torchrun) for the translated job on
-    ``device_type``: context parallelism with FlexAttention before 0.2.2, and
-    with SDPA on CPU (torch's CP has no rule for SDPA's CPU kernel)."""
+    ``device_type``: a sequence or heads its parallelism cannot split (every
+    model's parallelize asserts the sequence; attention fails on the heads
+    with a shape error), context parallelism with FlexAttention before 0.2.2,
+    and with SDPA on CPU (torch's CP has no rule for SDPA's CPU kernel)."""
     # pyrefly: ignore[missing-import]  # 0.2.x only
     from torchtitan.protocols.train_spec import get_train_spec
 
     from torchtitan_npu.overlay.registry import release
 
-    cp = job.get("parallelism", {}).get("context_parallel_degree", 1)
-    if cp == 1:
-        return
+    parallelism = job.get("parallelism", {})
+    tp = parallelism.get("tensor_parallel_degree", 1)
+    cp = parallelism.get("context_parallel_degree", 1)
     model = job.get("model", {})
     name, flavor = model.get("name", "llama3"), model.get("flavor", "debugmodel")
     flavors = get_train_spec(name).model_args
+    seq = job.get("training", {}).get("seq_len", 2048)
+    if seq % (tp * 2 * cp):
+        raise ConfigError(
+            f"training.seq_len {seq} is not a multiple of tensor_parallel {tp} x 2 x "
+            f"context_parallel {cp} = {tp * 2 * cp}, which torchtitan {version} "
+            "asserts for every model; change the sequence length or the degrees"
+        )
+    args = flavors.get(flavor)
+    for heads in ("n_heads", "n_kv_heads"):
+        count = getattr(args, heads, None) or getattr(args, "n_heads", None)
+        if tp > 1 and isinstance(count, int) and count % tp:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree {tp} does not divide {name} "
+                f"{flavor}'s {heads} ({count}); pick a degree that does"
+            )
+    if cp == 1:
+        return
     flex_cp = release(version) >= (0, 2, 2)  # before: "still in progress"
     problem = f"parallelism.context_parallel_degree {cp} with {name} {flavor}: "
     attention = _attention(flavors[flavor])
