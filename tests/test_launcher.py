@@ -274,6 +274,28 @@ def test_failure_line_names_the_root_cause_rank(tmp_path):
     assert code == 1
 
 
+def test_failure_line_points_at_the_failed_hidden_ranks_output(tmp_path):
+    torchrun_tail = [
+        "Failures:",
+        "  <NO_OTHER_FAILURES>",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        "  rank      : 5 (local_rank: 1)",
+        "  exitcode  : 1 (pid: 4242)",
+    ]
+    result = launcher.RunResult(1, tmp_path / "launcher.log", torchrun_tail, 1.0)
+    line, _ = launcher.failure_line(result, tmp_path)
+    assert "its output" not in line  # the rank was shown, or its file is gone
+    output = tmp_path / launcher.RANKS_DIR / "run_x1" / "attempt_0" / "1"
+    output.mkdir(parents=True)
+    (output / "stderr.log").write_text("Traceback ...\n")
+    line, _ = launcher.failure_line(result, tmp_path)
+    assert line == (
+        f"rank 5 exited with code 1 (its output: {output / 'stderr.log'}; "
+        f"full log: {tmp_path / 'launcher.log'})"
+    )
+
+
 def test_failure_line_joins_a_message_wrapped_over_a_few_lines(tmp_path):
     """0.2.x's parallelize asserts with a message over three indented lines;
     its last line alone ("(3) and 2 * CP degree (1).") says nothing."""
@@ -387,6 +409,10 @@ def test_killed_rank_is_one_line_with_its_signal(tmp_path):
     assert "Traceback" not in out + err
     log = Path(lines[0].rsplit("full log: ", 1)[1].rstrip(")"))
     assert "ChildFailedError" in log.read_text()  # the details are kept
+    # The hidden rank's own output is kept too, and the line says where.
+    output = Path(lines[0].split("its output: ", 1)[1].split(";", 1)[0])
+    assert output.parent.name == "1" and output.is_relative_to(log.parent)
+    assert output.read_text().strip()  # rank 1 logs only warnings: torch's
 
 
 @pytest.mark.e2e

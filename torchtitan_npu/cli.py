@@ -47,7 +47,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         resolved = dump_folder / "titan_npu_config.json"
         resolved.write_text(json.dumps(config, indent=2))
         command = [sys.executable, "-m", "torch.distributed.run"]
-        flags = torchrun_args(args, shown_rank=shown_local_rank(config, args))
+        shown = shown_local_rank(config, args)
+        flags = torchrun_args(args, shown, log_dir=run_dir / launcher.RANKS_DIR)
         command += [*flags, "-m", "torchtitan_npu.entry", str(resolved)]
         print(f"titan-npu: training, log in {run_dir / 'launcher.log'}", flush=True)
         assert lock.fd is not None  # held until the run ends
@@ -205,9 +206,15 @@ def shown_local_rank(config: dict, args: argparse.Namespace) -> int:
     return int(args.nproc_per_node) - 1
 
 
-def torchrun_args(args: argparse.Namespace, shown_rank: int = 0) -> list[str]:
+def torchrun_args(
+    args: argparse.Namespace, shown_rank: int = 0, log_dir: Path | None = None
+) -> list[str]:
     """torchrun flags: standalone on one node, c10d rendezvous across nodes;
-    the output of local rank ``shown_rank`` only, unless all are asked for."""
+    the output of local rank ``shown_rank`` only, unless all are asked for.
+    With ``log_dir``, the hidden ranks' output goes to files under it
+    (``launcher.rank_output`` finds them) instead of being dropped."""
+    from torchtitan_npu import launcher
+
     flags = [f"--nproc-per-node={args.nproc_per_node}"]
     if args.nnodes == "1" and not args.rdzv_endpoint:
         flags.append("--standalone")
@@ -220,6 +227,10 @@ def torchrun_args(args: argparse.Namespace, shown_rank: int = 0) -> list[str]:
         ]
     if not args.log_all_ranks:
         flags.append(f"--local-ranks-filter={shown_rank}")
+        hidden = launcher.hidden_local_ranks(args.nproc_per_node, shown_rank)
+        if log_dir is not None and hidden:
+            redirects = ",".join(f"{rank}:3" for rank in hidden)
+            flags += [f"--log-dir={log_dir}", f"--redirects={redirects}"]
     return flags
 
 

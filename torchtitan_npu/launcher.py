@@ -9,7 +9,8 @@
   each worker asks for one too (``die_with_parent``).
 - torchrun's output goes to ``<dump>/logs/<launch>/launcher.log``; the terminal
   shows the training log, never a traceback wall: a failure is one line naming
-  the rank, the error and the log (``--verbose`` shows everything).
+  the rank, the error and the log (``--verbose`` shows everything). The
+  hidden local ranks' output goes to files under ``<run>/ranks``.
 - A finished run ends with a summary: steps, first and last loss, where the
   logs, TensorBoard files and checkpoints are.
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 from torchtitan_npu.errors import LaunchError
 
 RUN_DIR_ENV = "TITAN_NPU_RUN_DIR"  # where ranks record their failures
+RANKS_DIR = "ranks"  # under the run folder: the hidden local ranks' output
 LOCK_NAME = ".titan-npu.lock"
 _PR_SET_PDEATHSIG = 1
 
@@ -48,6 +50,22 @@ def world_size(nproc_per_node: str, nnodes: str) -> int | None:
     raise LaunchError(
         f"--nnodes {nnodes!r}: expected a positive integer or MIN:MAX (torchrun)"
     )
+
+
+def hidden_local_ranks(nproc_per_node: str, shown_rank: int) -> list[int]:
+    """The local ranks whose output goes to files rather than the terminal.
+    torchrun's per-rank redirect names one-digit local ranks only, so on a
+    node of more than ten processes ranks 10 and up stay unlogged."""
+    if not nproc_per_node.isdigit():
+        return []
+    return [r for r in range(min(int(nproc_per_node), 10)) if r != shown_rank]
+
+
+def rank_output(run_dir: Path, local_rank: int) -> Path | None:
+    """The newest stderr file torchrun wrote for a hidden local rank."""
+    pattern = f"*/attempt_*/{local_rank}/stderr.log"
+    found = sorted((run_dir / RANKS_DIR).glob(pattern), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -213,16 +231,24 @@ def record_failure(exc: BaseException) -> None:
     path.write_text(json.dumps(record))
 
 
-def _failures(lines: list[str]) -> list[tuple[str, int]]:
-    """(rank, exit code) of each failure torchrun lists, its root cause first."""
+_FAILURE = re.compile(
+    r"rank\s*:\s*(\d+)(?:\s*\(local_rank:\s*(\d+)\))?.*?exitcode\s*:\s*(-?\d+)", re.S
+)
+
+
+def _failures(lines: list[str]) -> list[tuple[str, int, int | None]]:
+    """(rank, exit code, local rank) of each failure torchrun lists, its root
+    cause first."""
     text = "\n".join(lines)
     block = text[text.rfind("Failures:") :] if "Failures:" in text else ""
-    found = re.findall(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", block, re.S)
-    failures = [(rank, int(code)) for rank, code in found]
+    failures = [
+        (rank, int(code), int(local) if local else None)
+        for rank, local, code in _FAILURE.findall(block)
+    ]
     return failures[-1:] + failures[:-1]  # torchrun prints the root cause last
 
 
-def _root_cause(lines: list[str], records: dict) -> tuple[str, int] | None:
+def _root_cause(lines: list[str], records: dict) -> tuple[str, int, int | None] | None:
     """The failure that started it. torchrun names the first it observed, but
     its clock has one-second steps: a rank killed by a signal and a peer
     raising over the broken connection often share a poll. A signal comes from
@@ -243,7 +269,7 @@ def failure_line(result: RunResult, run_dir: Path) -> tuple[str, int]:
     root = _root_cause(result.lines, records)
     if root is None and records:
         first = min(records.values(), key=lambda r: r["time"])
-        root = (str(first["rank"]), int(first["exitcode"]))
+        root = (str(first["rank"]), int(first["exitcode"]), None)
     if root is None:
         code = result.returncode
         if code < 0:
@@ -251,7 +277,7 @@ def failure_line(result: RunResult, run_dir: Path) -> tuple[str, int]:
         else:
             how = f"exited with code {code}"
         return f"torchrun {how} (full log: {result.log})", code or 1
-    rank, code = root
+    rank, code, local_rank = root
     if rank in records:
         how = "failed: " + _one_line(records[rank]["message"])
         code = int(records[rank]["exitcode"])
@@ -262,7 +288,9 @@ def failure_line(result: RunResult, run_dir: Path) -> tuple[str, int]:
         how = f"exited with code {code}"
     others = len(set(records) - {rank})
     also = f"; {others} other rank(s) failed after it" if others else ""
-    return f"rank {rank} {how}{also} (full log: {result.log})", code
+    output = None if local_rank is None else rank_output(run_dir, local_rank)
+    where = f"its output: {output}; " if output else ""
+    return f"rank {rank} {how}{also} ({where}full log: {result.log})", code
 
 
 def _one_line(message: str) -> str:
