@@ -3,9 +3,10 @@ venv), npu_without_cann (torch-npu on a host without CANN), upstream (one env
 per upstream.lock entry), matrix (every locked upstream x every parallel
 layout), matrix_ci (CI's share of it), full (every test on every locked
 upstream, then the whole matrix), transformers5 (the logits checks of models
-only transformers 5 has), docs. `uv run nox` (CI) runs lint, tests,
-dist, npu_without_cann, the upstream sessions of the non-default lock entries,
-and matrix_ci: a share of the slow tests (tests/support.py FULL_SUITE)."""
+only transformers 5 has), torchao (upstream's float8/MX training), docs.
+`uv run nox` (CI) runs lint, tests, dist, npu_without_cann, the upstream
+sessions of the non-default lock entries, torchao, and matrix_ci: a share of
+the slow tests (tests/support.py FULL_SUITE)."""
 
 import os
 import shutil
@@ -31,6 +32,7 @@ nox.options.sessions = [
     "dist",
     "npu_without_cann",
     *(f"upstream(version='{v}')" for v in VERSIONS if v != DEFAULT),
+    *(f"torchao(version='{v}')" for v in (DEFAULT, UPGRADE_FROM)),
     "matrix_ci",
 ]
 PYTHON = "3.11"
@@ -44,10 +46,13 @@ OWN_DEPS = [
 ]
 
 
-def upstream_env(session: nox.Session, version: str) -> Path:
-    """A cached venv with one locked upstream, its wheel hash-checked."""
+def upstream_env(session: nox.Session, version: str, extra: str = "") -> Path:
+    """A cached venv with one locked upstream, its wheel hash-checked; with
+    ``extra`` (a requirement such as "torchao==0.18.0"), a venv of its own
+    that has it too."""
     entry = next(e for e in LOCK if e["version"] == version)
-    env = ROOT / ".nox" / f"upstream-{version}"
+    name = extra.split("==")[0] if extra else "upstream"
+    env = ROOT / ".nox" / f"{name}-{version}"
     run = {"env": {"VIRTUAL_ENV": str(env)}, "external": True}
     if not (env / "bin" / "python").exists():
         session.run("uv", "venv", "--quiet", "--python", PYTHON, str(env), **run)
@@ -59,7 +64,12 @@ def upstream_env(session: nox.Session, version: str) -> Path:
     # The upstream wheel must be byte-for-byte the locked one.
     session.run(*pip, "--require-hashes", "--no-deps", "-r", str(requirement), **run)
     session.run(
-        *pip, f"torch=={entry['torch']}", f"torchtitan=={version}", *OWN_DEPS, **run
+        *pip,
+        f"torch=={entry['torch']}",
+        f"torchtitan=={version}",
+        *OWN_DEPS,
+        *filter(None, [extra]),
+        **run,
     )
     session.run(*pip, "--no-deps", "-e", str(ROOT), **run)
     session.run(env / "bin" / "titan-npu", "compat", "check", external=True)
@@ -173,6 +183,23 @@ def upstream(session, version):
     session.run(
         env / "bin" / "pytest", "-n", "2", "--basetemp", str(basetemp),
         *session.posargs, external=True,
+    )  # fmt: skip
+
+
+# torchao runs upstream's float8 / MX / NVFP4 training; its emulated float8
+# trains on CPU. Not a dependency of titan-npu: a user installs it.
+TORCHAO = "torchao==0.18.0"
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize("version", [DEFAULT, UPGRADE_FROM])
+def torchao(session, version):
+    """Upstream's low-precision training with torchao installed, on the newest
+    upstream of each era (tests/test_quantization.py)."""
+    env = upstream_env(session, version, extra=TORCHAO)
+    session.run(
+        env / "bin" / "pytest", "tests/test_quantization.py", *session.posargs,
+        external=True,
     )  # fmt: skip
 
 

@@ -287,7 +287,7 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
         if key in _HANDLED:
             continue
         section, _, leaf = key.partition(".")
-        if key == "model.converters":
+        if key == "model.converters" or section == "quantize":
             continue  # after every other key: converters check the layout
         if section == "optimizer" and leaf in _OPTIMIZER_KWARGS:
             if want := expected(float, value):
@@ -313,12 +313,12 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
         if want := expected(field_type(trainer_config, target), value):
             raise wrong_type(key, value, want, version)
         set_path(trainer_config, target, value)
-    if flat.get("model.converters"):
+    if flat.get("model.converters") or any(k.startswith("quantize.") for k in flat):
         from torchtitan_npu.converters import config_registry as converters
 
         converters.apply(
             trainer_config,
-            flat["model.converters"],
+            flat,
             model_name=model["name"],
             device_type=device_type,
             version=version,

@@ -100,10 +100,11 @@ def translate(
         from torchtitan_npu.converters.trainspec import checked_names
 
         flat["model.converters"] = checked_names(
-            flat["model.converters"],
+            flat,
             model_name=flat.get("model.name", defaults.model.name),
             context_parallel=flat.get("parallelism.context_parallel_degree", 1) > 1,
             version=version,
+            device_type=device_type,
         )
     for key, value in flat.items():
         target = key

@@ -6,6 +6,7 @@ does), swapping the config classes of the modules it replaces for configs
 that build converted subclasses.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,17 @@ from torchtitan.config import derive
 from torchtitan.protocols.model import ModelConfigConverter
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.config.fields import expected, field_type
+from torchtitan_npu.config.schema import did_you_mean, wrong_type
+from torchtitan_npu.converters.quantization import (
+    QUANTIZATIONS,
+    QUANTIZE,
+    check_runnable,
+    model_compiled,
+    settings,
+)
 from torchtitan_npu.converters.registry import (
+    CONVERTERS,
     Converter,
     Replacement,
     check,
@@ -24,7 +35,9 @@ from torchtitan_npu.converters.registry import (
     request,
     running_version,
     subclass,
+    unknown,
 )
+from torchtitan_npu.errors import ConfigError, ConverterError
 from torchtitan_npu.overlay.registry import resolve_target
 
 ERA = Era.CONFIG_REGISTRY
@@ -107,22 +120,75 @@ class KernelConverter(ModelConfigConverter):
         return model_config
 
 
+def quantization_configs(flat: dict[str, Any], *, version: str) -> dict[str, Any]:
+    """Upstream's quantization converter configs, built from the config's
+    ``[quantize.*]`` keys (upstream 0.2.x's names), each checked by name and
+    type against this release's fields; ``model_compile_enabled`` follows
+    ``[compile]`` as in upstream's recipes."""
+    from torchtitan.components import quantization as upstream
+
+    for key in flat:
+        section = key.rpartition(".")[0]
+        if key.startswith(QUANTIZE) and section not in QUANTIZATIONS:
+            raise ConfigError(
+                f"train config key {key!r} has no counterpart in torchtitan "
+                f"{version}{did_you_mean(section, QUANTIZATIONS)}; its quantize "
+                f"sections: {sorted(QUANTIZATIONS)}"
+            )
+    configs = {}
+    for name, quantization in QUANTIZATIONS.items():
+        config_class = getattr(upstream, quantization.config_class).Config
+        defaults = config_class()
+        fields = [f.name for f in dataclasses.fields(defaults)]
+        fields.remove("model_compile_enabled")  # from [compile]
+        values = settings(flat, name)
+        for field, value in values.items():
+            key = f"{name}.{field}"
+            if field not in fields:
+                raise ConfigError(
+                    f"train config key {key!r} has no counterpart in torchtitan "
+                    f"{version}{did_you_mean(field, fields)}; [{name}] takes {fields}"
+                )
+            if want := expected(field_type(defaults, field), value):
+                raise wrong_type(key, value, want, version)
+        configs[name] = config_class(
+            **values, model_compile_enabled=model_compiled(flat)
+        )
+    return configs
+
+
 def apply(
-    trainer_config: Any, value: Any, *, model_name: str, device_type: str, version: str
+    trainer_config: Any,
+    flat: dict[str, Any],
+    *,
+    model_name: str,
+    device_type: str,
+    version: str,
 ) -> None:
-    """Convert ``trainer_config``'s model with the named converters, in order."""
-    names = parse_names(value)
+    """Convert ``trainer_config``'s model with the converters ``model.converters``
+    names, in order: titan-npu's kernel converters and upstream's quantization."""
+    names = parse_names(flat.get("model.converters"))
+    for name in names:
+        if name not in CONVERTERS and name not in QUANTIZATIONS:
+            raise unknown(name, [*CONVERTERS, *QUANTIZATIONS])
+    quantizations = quantization_configs(flat, version=version)
     context_parallel = trainer_config.parallelism.context_parallel_degree > 1
     check(
-        names,
+        [n for n in names if n not in QUANTIZATIONS],
         era=ERA,
         model_name=model_name,
         context_parallel=context_parallel,
         version=version,
     )
+    check_runnable(names, flat, device_type)
     spec = trainer_config.model_spec
     for name in names:
-        config = KernelConverter.Config(
+        config = quantizations.get(name) or KernelConverter.Config(
             name=name, model_name=model_name, device_type=device_type
         )
-        spec.model = config.build().convert(spec.model)
+        try:
+            spec.model = config.build().convert(spec.model)
+        except (ImportError, ValueError) as e:  # upstream's own checks
+            if isinstance(e, ConfigError):
+                raise
+            raise ConverterError(f"converter {name!r}: {e}") from e

@@ -13,12 +13,13 @@ by the overlay. How a model is converted is the era's: ``converters/<era>.py``.
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.converters.kernels import Kernel
+from torchtitan_npu.converters.quantization import suggestion
 from torchtitan_npu.errors import ConverterError
 from torchtitan_npu.overlay.registry import (
     Change,
@@ -112,11 +113,17 @@ def parse_names(value: str | list[str] | None) -> list[str]:
     return list(value)
 
 
+def unknown(name: str, known: Iterable[str]) -> ConverterError:
+    """The error for a converter name no one registered."""
+    return ConverterError(
+        f"unknown converter {name!r}{suggestion(name)}; known converters: "
+        f"{sorted(known)}"
+    )
+
+
 def get(name: str) -> Converter:
     if name not in CONVERTERS:
-        raise ConverterError(
-            f"unknown converter {name!r}; known converters: {sorted(CONVERTERS)}"
-        )
+        raise unknown(name, CONVERTERS)
     return CONVERTERS[name]
 
 

@@ -11,10 +11,10 @@ import functools
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.converters.quantization import check_runnable
 from torchtitan_npu.converters.registry import (
     CONVERTERS,
     Converter,
-    ConverterError,
     Replacement,
     check,
     parse_names,
@@ -22,6 +22,7 @@ from torchtitan_npu.converters.registry import (
     request,
     running_version,
     subclass,
+    unknown,
 )
 from torchtitan_npu.overlay.registry import resolve_target
 
@@ -110,26 +111,31 @@ def model_converter_classes(device_type: str) -> dict[str, type]:
 
 
 def checked_names(
-    value: Any, *, model_name: str, context_parallel: bool, version: str
+    flat: dict[str, Any],
+    *,
+    model_name: str,
+    context_parallel: bool,
+    version: str,
+    device_type: str | None,
 ) -> list[str]:
     """The job config's converter list; titan-npu's names checked for the model.
 
-    Upstream's own converters (float8, mx, ...) pass through by name.
+    Upstream's own converters (``quantize.linear.float8``, ...) pass through
+    by name, refused here when ``device_type`` cannot run them.
     """
     import torchtitan.components.quantization  # noqa: F401  (registers its names)
 
     # pyrefly: ignore[missing-module-attribute]  # 0.2.x only
     from torchtitan.protocols import model_converter
 
-    names = parse_names(value)
+    names = parse_names(flat.get("model.converters"))
     ours = [n for n in names if n in CONVERTERS]
     upstream = set(model_converter._registry_model_converter_cls) - set(ours)
-    unknown = [n for n in names if n not in ours and n not in upstream]
-    if unknown:
-        known = sorted(set(CONVERTERS) | upstream)
-        raise ConverterError(
-            f"unknown converter {unknown[0]!r}; known converters: {known}"
-        )
+    for name in names:
+        if name not in ours and name not in upstream:
+            raise unknown(name, {*CONVERTERS, *upstream})
+    if device_type is not None:
+        check_runnable(names, flat, device_type)
     check(
         ours,
         era=ERA,
