@@ -120,3 +120,10 @@ def test_emulated_float8_trains_from_the_same_keys_on_both_eras(tmp_path):
     assert losses[3] < losses[1], losses
     log = (dump.parent / "run.log").read_text()
     assert "Swapped to Float8Linear layers" in log
+
+
+@requires_era("config_registry")
+@pytest.mark.skipif(not HAS_TORCHAO, reason="needs torchao (nox -s torchao)")
+def test_0_3_recipe_whose_converter_cannot_run_here_names_the_flavor(upstream):
+    with pytest.raises(ConfigError, match="flavor '8b_mxfp8' cannot run here: MXFP8"):
+        translate({"model.flavor": "8b_mxfp8"})

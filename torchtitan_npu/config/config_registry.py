@@ -81,6 +81,11 @@ def base_config(name: str, flavor: str) -> Any:
         return function()
     except ImportError as e:  # e.g. a float8 recipe without torchao
         raise ConfigError(f"model {name!r} flavor {flavor!r} {needs(e)}") from e
+    except ValueError as e:  # its converters' device checks (float8, MX)
+        raise ConfigError(
+            f"model {name!r} flavor {flavor!r} cannot run here: {e} (upstream's "
+            "recipe); choose another flavor"
+        ) from e
 
 
 def flavors(name: str) -> list[str]:
