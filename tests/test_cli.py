@@ -49,19 +49,22 @@ def test_a_pipelined_launch_shows_the_last_stage_that_computes_the_loss():
 def test_hidden_ranks_output_goes_to_files_under_the_run(tmp_path):
     parser = build_parser()
     args, _ = parser.parse_known_args(["train", "--nproc-per-node", "4"])
-    assert torchrun_args(args, 3, log_dir=tmp_path)[-2:] == [
+    assert torchrun_args(args, 3, log_dir=tmp_path)[-3:] == [
         f"--log-dir={tmp_path}",
+        "--local-ranks-filter=3",
         "--redirects=0:3,1:3,2:3",
     ]
     # torchrun's per-rank redirect names one-digit local ranks only.
     args, _ = parser.parse_known_args(["train", "--nproc-per-node", "16"])
     redirects = torchrun_args(args, 15, log_dir=tmp_path)[-1]
     assert redirects == "--redirects=" + ",".join(f"{r}:3" for r in range(10))
-    for one_process in (["--nproc-per-node", "1"], ["--log-all-ranks"]):
+    for shown_alone in (["--nproc-per-node", "1"], ["--log-all-ranks"]):
         args, _ = parser.parse_known_args(
-            ["train", "--nproc-per-node", "2", *one_process]
+            ["train", "--nproc-per-node", "2", *shown_alone]
         )
-        assert not any("--redirects" in f for f in torchrun_args(args, 0, tmp_path))
+        flags = torchrun_args(args, 0, log_dir=tmp_path)
+        assert f"--log-dir={tmp_path}" in flags  # torchrun's files, not in /tmp
+        assert not any(flag.startswith("--redirects") for flag in flags)
 
 
 def test_bad_override_is_a_clear_error(capsys):

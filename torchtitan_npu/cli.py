@@ -211,8 +211,9 @@ def torchrun_args(
 ) -> list[str]:
     """torchrun flags: standalone on one node, c10d rendezvous across nodes;
     the output of local rank ``shown_rank`` only, unless all are asked for.
-    With ``log_dir``, the hidden ranks' output goes to files under it
-    (``launcher.rank_output`` finds them) instead of being dropped."""
+    With ``log_dir``, torchrun keeps its files there, the hidden ranks'
+    output among them (``launcher.rank_output`` finds it) instead of
+    dropping it."""
     from torchtitan_npu import launcher
 
     flags = [f"--nproc-per-node={args.nproc_per_node}"]
@@ -225,12 +226,13 @@ def torchrun_args(
             f"--rdzv-endpoint={args.rdzv_endpoint}",
             f"--rdzv-id={args.rdzv_id}",
         ]
+    if log_dir is not None:  # torchrun's files there, not in a /tmp folder
+        flags.append(f"--log-dir={log_dir}")
     if not args.log_all_ranks:
         flags.append(f"--local-ranks-filter={shown_rank}")
         hidden = launcher.hidden_local_ranks(args.nproc_per_node, shown_rank)
         if log_dir is not None and hidden:
-            redirects = ",".join(f"{rank}:3" for rank in hidden)
-            flags += [f"--log-dir={log_dir}", f"--redirects={redirects}"]
+            flags.append("--redirects=" + ",".join(f"{r}:3" for r in hidden))
     return flags
 
 
