@@ -127,3 +127,13 @@ def test_emulated_float8_trains_from_the_same_keys_on_both_eras(tmp_path):
 def test_0_3_recipe_whose_converter_cannot_run_here_names_the_flavor(upstream):
     with pytest.raises(ConfigError, match="flavor '8b_mxfp8' cannot run here: MXFP8"):
         translate({"model.flavor": "8b_mxfp8"})
+
+
+def test_doctor_says_which_run_on_this_device():
+    from torchtitan_npu.converters.quantization import QUANTIZATIONS, availability_table
+
+    rows = {line.split()[0]: line for line in availability_table("cpu").splitlines()}
+    assert set(QUANTIZATIONS) <= set(rows)
+    assert "emulated only (quantize.linear.float8.emulate = true)" in rows[FLOAT8]
+    assert rows["quantize.linear.mx"].endswith(" no")
+    assert ("pip install torchao" in rows[FLOAT8]) is not HAS_TORCHAO

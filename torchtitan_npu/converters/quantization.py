@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchtitan_npu.errors import ConverterError
+from torchtitan_npu.tools.table import format_table
 
 QUANTIZE = "quantize."
 
@@ -32,6 +33,7 @@ class Quantization:
     config_class: str  # the 0.3.x converter in torchtitan.components.quantization
     capability: tuple[int, int]  # the CUDA compute capability it needs
     emulated: bool = False  # ``emulate = true`` runs it anywhere (eager only)
+    in_0_2: bool = True  # 0.2.x registers it too
 
 
 QUANTIZATIONS = {
@@ -43,7 +45,9 @@ QUANTIZATIONS = {
         ),
         Quantization("quantize.linear.mx", "MXFP8LinearConverter", (10, 0)),
         Quantization("quantize.grouped_mm.mx", "MXFP8GroupedExpertsConverter", (10, 0)),
-        Quantization("quantize.linear.nvfp4", "NVFP4LinearConverter", (10, 0)),
+        Quantization(
+            "quantize.linear.nvfp4", "NVFP4LinearConverter", (10, 0), in_0_2=False
+        ),
     )
 }
 
@@ -87,6 +91,26 @@ def check_runnable(names: list[str], flat: dict[str, Any], device_type: str) -> 
                 f"converter {name!r} runs upstream's torchao code; install torchao "
                 "(pip install torchao) or drop it from model.converters"
             )
+
+
+def availability_table(device_type: str) -> str:
+    """Whether each quantization runs on ``device_type`` here (``doctor``)."""
+    has_torchao = importlib.util.find_spec("torchao") is not None
+    rows = []
+    for name, quantization in QUANTIZATIONS.items():
+        major, minor = quantization.capability
+        if _capable(device_type, quantization):
+            here = "runs"
+        elif quantization.emulated:
+            here = f"emulated only ({name}.emulate = true)"
+        else:
+            here = "no"
+        if here != "no" and not has_torchao:
+            here += ", with torchao (pip install torchao)"
+        eras = "0.2.x, 0.3.x" if quantization.in_0_2 else "0.3.x"
+        rows.append([name, eras, f"CUDA {major}.{minor}+", here])
+    headers = ["name", "upstream", "needs", f"on {_device(device_type)}"]
+    return format_table(headers, rows)
 
 
 def _refuse_device(name: str, quantization: Quantization, device_type: str) -> None:

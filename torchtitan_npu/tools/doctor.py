@@ -128,6 +128,10 @@ def run() -> int:
     print(manifest_table(activation.status))
     print("\nconverters (train config: [model] converters = [...])")
     print(converter_table(ctx.era, ctx.device_type))
+    from torchtitan_npu.converters.quantization import availability_table
+
+    print("\nupstream's low-precision training (model.converters; settings: [name])")
+    print(availability_table(ctx.device_type))
     return 0
 
 
