@@ -294,6 +294,14 @@ def test_failure_line_points_at_the_failed_hidden_ranks_output(tmp_path):
         f"rank 5 exited with code 1 (its output: {output / 'stderr.log'}; "
         f"full log: {tmp_path / 'launcher.log'})"
     )
+    # Local ranks from 10 up cannot be redirected: the line says what to do.
+    unlogged = [t.replace("local_rank: 1)", "local_rank: 12)") for t in torchrun_tail]
+    result = launcher.RunResult(1, tmp_path / "launcher.log", unlogged, 1.0)
+    line, _ = launcher.failure_line(result, tmp_path, shown_rank=0)
+    assert "(its output was not kept: rerun with --log-all-ranks; full log" in line
+    for shown in (12, None):  # on the terminal, in the full log
+        line, _ = launcher.failure_line(result, tmp_path, shown_rank=shown)
+        assert "its output" not in line
 
 
 def test_failure_line_joins_a_message_wrapped_over_a_few_lines(tmp_path):

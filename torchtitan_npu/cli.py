@@ -62,7 +62,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     finally:
         lock.release(started=result is not None)
     if result.returncode != 0:
-        line, code = launcher.failure_line(result, run_dir)
+        alone = None if args.log_all_ranks else shown
+        line, code = launcher.failure_line(result, run_dir, shown_rank=alone)
         print(f"titan-npu: error: {line}", file=sys.stderr, flush=True)
         return code
     tb_folder = dump_folder / metrics["save_tb_folder"]

@@ -30,6 +30,7 @@ from torchtitan_npu.errors import LaunchError
 
 RUN_DIR_ENV = "TITAN_NPU_RUN_DIR"  # where ranks record their failures
 RANKS_DIR = "ranks"  # under the run folder: the hidden local ranks' output
+LOGGED_RANKS = 10  # torchrun redirects local ranks 0-9 (one-digit) only
 LOCK_NAME = ".titan-npu.lock"
 _PR_SET_PDEATHSIG = 1
 
@@ -58,7 +59,8 @@ def hidden_local_ranks(nproc_per_node: str, shown_rank: int) -> list[int]:
     node of more than ten processes ranks 10 and up stay unlogged."""
     if not nproc_per_node.isdigit():
         return []
-    return [r for r in range(min(int(nproc_per_node), 10)) if r != shown_rank]
+    logged = min(int(nproc_per_node), LOGGED_RANKS)
+    return [r for r in range(logged) if r != shown_rank]
 
 
 def rank_output(run_dir: Path, local_rank: int) -> Path | None:
@@ -258,10 +260,13 @@ def _root_cause(lines: list[str], records: dict) -> tuple[str, int, int | None] 
     return (killed or failures or [None])[0]
 
 
-def failure_line(result: RunResult, run_dir: Path) -> tuple[str, int]:
+def failure_line(
+    result: RunResult, run_dir: Path, shown_rank: int | None = None
+) -> tuple[str, int]:
     """One sentence for a failed run, and the exit code to leave with: the
     first failed rank (torchrun's root cause), what it raised or which signal
-    ended it, and where the full log is."""
+    ended it, and where its output and the full log are (``shown_rank``: the
+    local rank the terminal showed when it showed one only)."""
     records = {}
     for path in sorted((run_dir / "errors").glob("*.json")):
         record = json.loads(path.read_text())
@@ -290,6 +295,9 @@ def failure_line(result: RunResult, run_dir: Path) -> tuple[str, int]:
     also = f"; {others} other rank(s) failed after it" if others else ""
     output = None if local_rank is None else rank_output(run_dir, local_rank)
     where = f"its output: {output}; " if output else ""
+    unlogged = local_rank is not None and local_rank >= LOGGED_RANKS
+    if unlogged and shown_rank not in (None, local_rank) and output is None:
+        where = "its output was not kept: rerun with --log-all-ranks; "
     return f"rank {rank} {how}{also} ({where}full log: {result.log})", code
 
 
