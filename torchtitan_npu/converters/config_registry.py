@@ -120,23 +120,30 @@ class KernelConverter(ModelConfigConverter):
         return model_config
 
 
-def quantization_configs(flat: dict[str, Any], *, version: str) -> dict[str, Any]:
-    """Upstream's quantization converter configs, built from the config's
-    ``[quantize.*]`` keys (upstream 0.2.x's names), each checked by name and
-    type against this release's fields; ``model_compile_enabled`` follows
-    ``[compile]`` as in upstream's recipes."""
+def quantization_configs(
+    flat: dict[str, Any], names: list[str], *, version: str
+) -> dict[str, Any]:
+    """Upstream's converter configs of the quantizations ``names`` lists,
+    built from the config's ``[quantize.*]`` keys (upstream 0.2.x's names);
+    every such key is checked by name and type against this release's
+    fields. ``model_compile_enabled`` follows ``[compile]`` as in upstream's
+    recipes."""
     from torchtitan.components import quantization as upstream
 
-    for key in flat:
+    used = set()  # the [quantize.*] sections the config sets
+    for key in (k for k in flat if k.startswith(QUANTIZE)):
         section = key.rpartition(".")[0]
-        if key.startswith(QUANTIZE) and section not in QUANTIZATIONS:
+        if section not in QUANTIZATIONS:
             raise ConfigError(
                 f"train config key {key!r} has no counterpart in torchtitan "
                 f"{version}{did_you_mean(section, QUANTIZATIONS)}; its quantize "
                 f"sections: {sorted(QUANTIZATIONS)}"
             )
+        used.add(section)
     configs = {}
     for name, quantization in QUANTIZATIONS.items():
+        if name not in used and name not in names:
+            continue
         config_class = getattr(upstream, quantization.config_class).Config
         defaults = config_class()
         fields = [f.name for f in dataclasses.fields(defaults)]
@@ -151,9 +158,10 @@ def quantization_configs(flat: dict[str, Any], *, version: str) -> dict[str, Any
                 )
             if want := expected(field_type(defaults, field), value):
                 raise wrong_type(key, value, want, version)
-        configs[name] = config_class(
-            **values, model_compile_enabled=model_compiled(flat)
-        )
+        if name in names:
+            configs[name] = config_class(
+                **values, model_compile_enabled=model_compiled(flat)
+            )
     return configs
 
 
@@ -171,7 +179,7 @@ def apply(
     for name in names:
         if name not in CONVERTERS and name not in QUANTIZATIONS:
             raise unknown(name, [*CONVERTERS, *QUANTIZATIONS])
-    quantizations = quantization_configs(flat, version=version)
+    quantizations = quantization_configs(flat, names, version=version)
     context_parallel = trainer_config.parallelism.context_parallel_degree > 1
     check(
         [n for n in names if n not in QUANTIZATIONS],
@@ -188,7 +196,7 @@ def apply(
         )
         try:
             spec.model = config.build().convert(spec.model)
+        except ConfigError:
+            raise
         except (ImportError, ValueError) as e:  # upstream's own checks
-            if isinstance(e, ConfigError):
-                raise
             raise ConverterError(f"converter {name!r}: {e}") from e

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchtitan_npu.errors import ConverterError
+from torchtitan_npu.models import OPTIONAL_PACKAGES
 from torchtitan_npu.tools.table import format_table
 
 QUANTIZE = "quantize."
@@ -86,16 +87,15 @@ def check_runnable(names: list[str], flat: dict[str, Any], device_type: str) -> 
             )
         if not (emulate or _capable(device_type, quantization)):
             _refuse_device(name, quantization, device_type)
-        if importlib.util.find_spec("torchao") is None:
+        if not _has_torchao():
             raise ConverterError(
                 f"converter {name!r} runs upstream's torchao code; install torchao "
-                "(pip install torchao) or drop it from model.converters"
+                f"({OPTIONAL_PACKAGES['torchao']}) or drop it from model.converters"
             )
 
 
 def availability_table(device_type: str) -> str:
     """Whether each quantization runs on ``device_type`` here (``doctor``)."""
-    has_torchao = importlib.util.find_spec("torchao") is not None
     rows = []
     for name, quantization in QUANTIZATIONS.items():
         major, minor = quantization.capability
@@ -105,12 +105,16 @@ def availability_table(device_type: str) -> str:
             here = f"emulated only ({name}.emulate = true)"
         else:
             here = "no"
-        if here != "no" and not has_torchao:
-            here += ", with torchao (pip install torchao)"
+        if here != "no" and not _has_torchao():
+            here += f", with torchao ({OPTIONAL_PACKAGES['torchao']})"
         eras = "0.2.x, 0.3.x" if quantization.in_0_2 else "0.3.x"
         rows.append([name, eras, f"CUDA {major}.{minor}+", here])
     headers = ["name", "upstream", "needs", f"on {_device(device_type)}"]
     return format_table(headers, rows)
+
+
+def _has_torchao() -> bool:
+    return importlib.util.find_spec("torchao") is not None
 
 
 def _refuse_device(name: str, quantization: Quantization, device_type: str) -> None:
