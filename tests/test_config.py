@@ -75,6 +75,8 @@ def test_config_registry_translation(upstream):
     "key, value, match",
     [
         ("training.bogus", 1, "'training.bogus' has no counterpart"),
+        ("optimizer.lrr", 1.0, "(did you mean 'optimizer.lr'?)"),
+        ("profiling.enable_profilin", True, "'profiling.enable_profiling'"),
         ("model.flavor", "huge", "no flavor 'huge'"),
         ("model.name", "nonesuch", "unknown model 'nonesuch'"),
     ],
@@ -112,4 +114,8 @@ def test_trainspec_rejects_unknown_keys(upstream):
     config = load_toml(DEFAULT_CONFIG)
     config["parallelism"]["bogus_degree"] = 2
     with pytest.raises(ConfigError, match="'parallelism.bogus_degree'.*trainspec"):
+        translate(config, version=upstream.installed.version)
+    config = load_toml(DEFAULT_CONFIG)
+    config.setdefault("debug", {})["seeed"] = 2
+    with pytest.raises(ConfigError, match=r"did you mean '(debug|training)\.seed'"):
         translate(config, version=upstream.installed.version)

@@ -78,6 +78,7 @@ BAD_INPUTS = [
     (["--model.flavor", "debugmdl"], "(did you mean 'debugmodel'?); known flavors"),
     (["--model.name", "qwen"], "(did you mean 'qwen3'?); known models: ["),
     (["--training.bogus_key", "1"], "'training.bogus_key' has no counterpart"),
+    (["--trainng.steps", "3"], "(did you mean 'training.steps'?)"),
     (["--config", "/no/such.toml"], "train config /no/such.toml does not exist"),
     (["--training.steps", "3", "stray"], "expected a --section.key override"),
 ]

@@ -22,6 +22,7 @@ from torchtitan_npu.config.fields import (
     field_type,
     get_path,
     has_path,
+    leaf_paths,
     set_path,
 )
 from torchtitan_npu.config.schema import (
@@ -46,6 +47,17 @@ _SECTION_RENAMES = {"profiling": "profiler", "validation": "validator"}
 _HANDLED = {"model.name", "model.flavor", "job.description"}
 # [optimizer] keys that live in every param group's optimizer_kwargs on 0.3.x
 _OPTIMIZER_KWARGS = {"lr", "eps", "weight_decay"}
+
+
+def _keys(trainer_config: Any) -> list[str]:
+    """The train config keys this era takes, spelled as the TOML spells them."""
+    back = {v: k for k, v in _RENAMES.items()}
+    sections = {v: k for k, v in _SECTION_RENAMES.items()}
+    keys = [*_HANDLED, *(f"optimizer.{k}" for k in _OPTIMIZER_KWARGS)]
+    for path in leaf_paths(trainer_config):
+        section, _, leaf = path.partition(".")
+        keys.append(back.get(path) or f"{sections.get(section, section)}.{leaf}")
+    return keys
 
 
 def base_config(name: str, flavor: str) -> Any:
@@ -313,7 +325,7 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
         if current is MISSING or isinstance(current, dict):
             raise ConfigError(
                 f"train config key {key!r} has no counterpart in torchtitan "
-                f"{version} (era {ERA})"
+                f"{version} (era {ERA}){did_you_mean(key, _keys(trainer_config))}"
             )
         if want := expected(field_type(trainer_config, target), value):
             raise wrong_type(key, value, want, version)

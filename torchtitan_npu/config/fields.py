@@ -23,6 +23,18 @@ def has_path(obj: Any, dotted: str) -> bool:
     return get_path(obj, dotted) is not MISSING
 
 
+def leaf_paths(obj: Any, prefix: str = "") -> list[str]:
+    """Every dotted path of ``obj`` that ends at a value (not a dataclass)."""
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out += leaf_paths(value, f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
 def set_path(obj: Any, dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     for part in parents:

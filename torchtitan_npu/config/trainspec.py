@@ -10,7 +10,7 @@ from typing import Any
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.config import hf_model
-from torchtitan_npu.config.fields import expected, field_type, has_path
+from torchtitan_npu.config.fields import expected, field_type, has_path, leaf_paths
 from torchtitan_npu.config.schema import (
     ConfigError,
     did_you_mean,
@@ -111,9 +111,10 @@ def translate(
         if not has_path(defaults, key) and key in _LEGACY_DEBUG_KEYS:
             target = _LEGACY_DEBUG_KEYS[key]
         if not has_path(defaults, target):
+            known = [*leaf_paths(defaults), *_LEGACY_DEBUG_KEYS]
             raise ConfigError(
                 f"train config key {key!r} has no counterpart in torchtitan "
-                f"{version} (era {ERA})"
+                f"{version} (era {ERA}){did_you_mean(key, known)}"
             )
         if want := expected(field_type(defaults, target), value):
             raise wrong_type(key, value, want, version)
