@@ -448,3 +448,43 @@ def test_killed_launcher_takes_its_workers_and_frees_the_folder(tmp_path):
     lock = launcher.DumpFolderLock(dump)
     lock.acquire()  # nobody holds it any more
     lock.release(started=True)
+
+
+@pytest.mark.e2e
+@requires_default_upstream("the launcher's process handling is era-independent")
+def test_ctrl_c_is_passed_on_and_summarised(tmp_path):
+    """A SIGINT to the launcher alone (a terminal's Ctrl-C reaches only the
+    launcher: the run has its own session) stops the run, which says what it
+    trained; exit 130, no traceback, no worker left."""
+    dump = tmp_path / "run"
+    process = launch(dump, steps=500)
+    wait_for_step(process, 2)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGINT, err
+    assert "Traceback" not in out + err
+    summary = out[out.index("titan-npu: stopped by SIGINT; trained steps 1-") :]
+    assert f"log:          {dump}/logs/" in summary
+    assert not workers_of(dump)
+
+
+def test_interrupted_summary_says_so_even_before_a_step(tmp_path):
+    result = launcher.RunResult(130, tmp_path / "launcher.log", [], 7.2, 2)
+    summary = launcher.run_summary(result, tmp_path, None)
+    assert (
+        summary.splitlines()[0]
+        == "titan-npu: stopped by SIGINT; no step trained in 7 s"
+    )
+
+
+def test_signal_before_launch_is_one_line(capsys):
+    from torchtitan_npu.cli import _interruptible
+
+    def preflight() -> int:
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal did not stop it")
+
+    assert _interruptible(preflight, "train", "nothing was launched") == 143
+    err = capsys.readouterr().err
+    assert err == "titan-npu: error: train stopped by SIGTERM; nothing was launched\n"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored

@@ -16,6 +16,12 @@ from torchtitan_npu.errors import CLI_ERRORS
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    return _interruptible(
+        lambda: _launch(args, overrides), "train", "nothing was launched"
+    )
+
+
+def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from torchtitan_npu import launcher
     from torchtitan_npu.distributed import DEVICE_ENV, check_torch_loads
 
@@ -61,12 +67,15 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         )
     finally:
         lock.release(started=result is not None)
+    tb_folder = dump_folder / metrics["save_tb_folder"]
+    if result.stopped_by is not None:  # Ctrl-C or SIGTERM, passed on to the run
+        print(launcher.run_summary(result, dump_folder, tb_folder), flush=True)
+        return 128 + result.stopped_by
     if result.returncode != 0:
         alone = None if args.log_all_ranks else shown
         line, code = launcher.failure_line(result, run_dir, shown_rank=alone)
         print(f"titan-npu: error: {line}", file=sys.stderr, flush=True)
         return code
-    tb_folder = dump_folder / metrics["save_tb_folder"]
     print(launcher.run_summary(result, dump_folder, tb_folder), flush=True)
     return 0
 
@@ -276,26 +285,31 @@ def _loss_compare(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _convert(args: argparse.Namespace, rest: list[str]) -> int:
-    return _interruptible(lambda: _run_convert(args), "convert", args.out)
+    return _interruptible(
+        lambda: _run_convert(args), "convert", f"{args.out} was not written"
+    )
 
 
-def _interruptible(run: Callable[[], int], what: str, out: str) -> int:
-    """run() with Ctrl-C / SIGTERM as one line: writing stops at the next
-    tensor and leaves no OUT (atomic_dir)."""
+def _interruptible(run: Callable[[], int], what: str, undone: str) -> int:
+    """run() with Ctrl-C / SIGTERM as one line (`what` stopped by SIGINT;
+    `undone`); a writer stops at its next tensor and leaves no OUT
+    (atomic_dir). A launched run forwards them instead (``supervise``)."""
     import signal
 
     from torchtitan_npu.errors import Interrupted
 
-    def stop(signum, frame):  # while planning; writing defers to the next tensor
+    def stop(signum, frame):
         raise Interrupted(signum, what)
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, stop)
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return run()
     except Interrupted as e:
-        print(f"titan-npu: error: {e}; {out} was not written", file=sys.stderr)
+        print(f"titan-npu: error: {e}; {undone}", file=sys.stderr)
         return 128 + e.signum
+    finally:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
 
 
 def _run_convert(args: argparse.Namespace) -> int:
@@ -353,7 +367,7 @@ def _checkpoint_migrate(args: argparse.Namespace, _: list[str]) -> int:
         )
         return 0
 
-    return _interruptible(run, "checkpoint migrate", args.out)
+    return _interruptible(run, "checkpoint migrate", f"{args.out} was not written")
 
 
 def _checkpoint_inspect(args: argparse.Namespace, _: list[str]) -> int:

@@ -6,7 +6,9 @@
 - One run owns a dump folder: a lock file (owner pid and host) refuses a second
   launcher while the first lives.
 - Workers die with their launcher: torchrun gets a parent-death signal, and
-  each worker asks for one too (``die_with_parent``).
+  each worker asks for one too (``die_with_parent``). torchrun runs in its own
+  session: Ctrl-C or SIGTERM reach the launcher only, which passes them on
+  once (a second kills torchrun) and ends with the summary of what trained.
 - torchrun's output goes to ``<dump>/logs/<launch>/launcher.log``; the terminal
   shows the training log, never a traceback wall: a failure is one line naming
   the rank, the error and the log (``--verbose`` shows everything). The
@@ -15,6 +17,7 @@
   logs, TensorBoard files and checkpoints are.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -22,7 +25,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +155,7 @@ class RunResult:
     log: Path
     lines: list[str]  # every line torchrun printed (ANSI colours removed)
     seconds: float
+    stopped_by: int | None = None  # the signal the launcher passed on to the run
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -171,6 +177,9 @@ def supervise(
     start = time.monotonic()
     lines: list[str] = []
     log.parent.mkdir(parents=True, exist_ok=True)
+    # Its own session: Ctrl-C reaches the launcher only, which passes it on
+    # (as it does a SIGINT or SIGTERM sent to the launcher alone); a second
+    # one kills torchrun, whose workers die with it.
     process = subprocess.Popen(
         command,
         env=env,
@@ -180,25 +189,45 @@ def supervise(
         errors="replace",
         bufsize=1,
         pass_fds=keep_fds,
+        start_new_session=True,
         preexec_fn=lambda: die_with_parent(signal.SIGTERM),
     )
+    stopped: list[int] = []
+
+    def forward(signum, frame):
+        stopped.append(signum)
+        process.send_signal(signum if len(stopped) == 1 else signal.SIGKILL)
+
     muted = False
-    with open(log, "w") as log_file:
+    with open(log, "w") as log_file, _handling(forward):
         log_file.write("$ " + " ".join(command) + "\n")
-        try:
-            assert process.stdout is not None
-            for line in process.stdout:
-                log_file.write(line)
-                log_file.flush()
-                lines.append(_ANSI.sub("", line.rstrip("\n")))
-                muted = muted or _TRACEBACK in line
-                if verbose or not (muted or _TORCH_INTERNAL_LOG.search(line)):
-                    sys.stdout.write(line)
-                    sys.stdout.flush()
-            returncode = process.wait()
-        except KeyboardInterrupt:  # torchrun got the SIGINT too: let it stop
-            returncode = process.wait()
-    return RunResult(returncode, log, lines, time.monotonic() - start)
+        assert process.stdout is not None
+        for line in process.stdout:
+            log_file.write(line)
+            log_file.flush()
+            lines.append(_ANSI.sub("", line.rstrip("\n")))
+            muted = muted or _TRACEBACK in line
+            if verbose or not (muted or _TORCH_INTERNAL_LOG.search(line)):
+                sys.stdout.write(line)
+                sys.stdout.flush()
+        returncode = process.wait()
+    seconds = time.monotonic() - start
+    return RunResult(returncode, log, lines, seconds, stopped[0] if stopped else None)
+
+
+@contextlib.contextmanager
+def _handling(handler: Callable) -> Generator[None]:
+    """SIGINT and SIGTERM go to `handler` (in the main thread) for the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 # Worker environment defaults: progress bars and deprecation notices of
@@ -316,12 +345,17 @@ def run_summary(result: RunResult, dump_folder: Path, tb_folder: Path | None) ->
     """What the run did and where its outputs are."""
     losses = {int(m[1]): float(m[2]) for m in map(_STEP.search, result.lines) if m}
     lines = []
+    stopped = ""
+    if result.stopped_by is not None:
+        stopped = f"stopped by {signal.Signals(result.stopped_by).name}; "
     if losses:
         first, last = min(losses), max(losses)
         lines.append(
-            f"titan-npu: trained steps {first}-{last} in {result.seconds:.0f} s; "
-            f"loss {losses[first]:.4f} -> {losses[last]:.4f}"
+            f"titan-npu: {stopped}trained steps {first}-{last} in "
+            f"{result.seconds:.0f} s; loss {losses[first]:.4f} -> {losses[last]:.4f}"
         )
+    elif stopped:
+        lines.append(f"titan-npu: {stopped}no step trained in {result.seconds:.0f} s")
     else:
         lines.append(f"titan-npu: run finished in {result.seconds:.0f} s (no steps)")
     lines.append(f"  log:          {result.log}")
