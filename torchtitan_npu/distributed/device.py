@@ -96,7 +96,12 @@ def select_device_type(requested: str | None = None) -> str:
                 f"unknown device type {requested!r}; choose one of {DEVICE_TYPES}"
             )
         if not available[requested]:
-            raise ValueError(f"device type {requested!r} was requested but is absent")
+            found = next(d for d in DEVICE_TYPES if available[d])
+            raise ValueError(
+                f"device type {requested!r} was requested but is absent "
+                f"(from --device or {DEVICE_ENV}); this machine has {found!r}: "
+                f"pass --device {found} or leave the choice to titan-npu"
+            )
         return requested
     return next(d for d in DEVICE_TYPES if available[d])
 
