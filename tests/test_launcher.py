@@ -153,6 +153,26 @@ def test_what_0_2_refuses_in_the_ranks_is_refused_before_launch(
     _refused_before_launch(args, problem, tmp_path, capsys)
 
 
+def test_a_tokenizer_larger_than_the_embedding_is_refused_before_launch(
+    tmp_path, capsys, deactivate_after
+):
+    """Every era: an id past the embedding fails every rank (IndexError on
+    CPU, a device-side assert on CUDA)."""
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    vocab = {f"t{i}": i for i in range(4000)}
+    added = [{"id": 4000, "content": "<|end|>", "special": True}]
+    (tokenizer / "tokenizer.json").write_text(
+        json.dumps({"model": {"type": "BPE", "vocab": vocab}, "added_tokens": added})
+    )
+    problem = (
+        f"the tokenizer in {tokenizer} has 4001 tokens and llama3 debugmodel embeds "
+        "2048 (its vocab_size): ids from 2048 up have no embedding"
+    )
+    args = ["--model.hf_assets_path", str(tokenizer)]
+    _refused_before_launch(args, problem, tmp_path, capsys)
+
+
 def _refused_before_launch(args, problem, tmp_path, capsys):
     dump = tmp_path / "run"
     code = main(["train", "--job.dump_folder", str(dump), *args])

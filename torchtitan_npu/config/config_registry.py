@@ -270,6 +270,11 @@ def check_runnable(job: Any, *, device_type: str, version: str) -> None:
             f"training.seq_len {seq} cannot be split evenly by "
             f"{' and '.join(splits)}: use a multiple of {divisor}"
         )
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+
+    spec = job.model_spec
+    vocab = decoder_vocab_size(spec)
+    hf_model.check_tokenizer(job.hf_assets_path, vocab, f"{spec.name} {spec.flavor}")
     config = copy.deepcopy(job)
     model = config.model_spec.model
     try:

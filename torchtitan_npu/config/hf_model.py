@@ -88,6 +88,38 @@ def register(config: dict[str, Any], era: Era) -> None:
         ) from None
 
 
+def check_tokenizer(folder: str | None, vocab_size: int | None, model: str) -> None:
+    """The ids `folder`'s tokenizer.json can give have rows in `model`'s
+    embedding (an id past it fails every rank: an IndexError on CPU, a
+    device-side assert on CUDA)."""
+    if not folder or not vocab_size or "://" in folder:
+        return
+    tokens = tokenizer_size(Path(folder) / "tokenizer.json")
+    if tokens is not None and tokens > vocab_size:
+        raise ConfigError(
+            f"the tokenizer in {folder} has {tokens} tokens and {model} embeds "
+            f"{vocab_size} (its vocab_size): ids from {vocab_size} up have no "
+            "embedding; use the model's own tokenizer (--model.hf_assets_path) "
+            f"or a flavor whose vocab_size is at least {tokens}"
+        )
+
+
+def tokenizer_size(path: Path) -> int | None:
+    """One more than the largest id of a HF tokenizer.json (added tokens
+    included); None when there is none or it cannot be read (upstream says
+    why)."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+        vocab = data["model"]["vocab"]
+        ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1]
+        ids += [token["id"] for token in data.get("added_tokens") or []]
+        return max(ids) + 1
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _read(directory: Path) -> dict[str, Any]:
     from torchtitan_npu.state_dict_adapters import architecture
 

@@ -151,6 +151,11 @@ def check_runnable(job: dict[str, Any], *, device_type: str, version: str) -> No
             "asserts for every model; change the sequence length or the degrees"
         )
     args = flavors.get(flavor)
+    hf_model.check_tokenizer(
+        model.get("hf_assets_path"),
+        getattr(args, "vocab_size", None),
+        f"{name} {flavor}",
+    )
     for heads in ("n_heads", "n_kv_heads"):
         count = getattr(args, heads, None) or getattr(args, "n_heads", None)
         if tp > 1 and isinstance(count, int) and count % tp:
