@@ -173,6 +173,29 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_before_launch(
     _refused_before_launch(args, problem, tmp_path, capsys)
 
 
+@pytest.mark.parametrize(
+    "layout, problem",
+    [
+        ("file", "data.jsonl is a file; upstream's c4_test loader reads a folder"),
+        ("empty", "data holds no files; upstream's c4_test loader reads a folder"),
+        ("no_text", "its records have no 'text' field (they have ['body', 'id'])"),
+    ],
+)
+def test_a_dataset_upstream_cannot_read_is_refused_before_launch(
+    layout, problem, tmp_path, capsys, deactivate_after
+):
+    data = tmp_path / "data"
+    data.mkdir()
+    record = json.dumps({"id": 1, "body": "words"}) + "\n"
+    if layout == "file":
+        data = data / "data.jsonl"
+        data.write_text(record)
+    elif layout == "no_text":
+        (data / "part-0.jsonl").write_text(record * 3)
+    args = ["--training.dataset", "c4_test", "--training.dataset_path", str(data)]
+    _refused_before_launch(args, problem, tmp_path, capsys)
+
+
 def _refused_before_launch(args, problem, tmp_path, capsys):
     dump = tmp_path / "run"
     code = main(["train", "--job.dump_folder", str(dump), *args])

@@ -7,6 +7,9 @@ type, the model and flavor). Each problem is a ``ConfigError``
 that the CLI prints as one line.
 """
 
+import itertools
+import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -119,6 +122,52 @@ def absolute_paths(config: dict[str, Any]) -> None:
         config[section][key] = str(path.resolve())
 
 
+# Upstream's text datasets (both eras): HF datasets' load_dataset(path) of a
+# local folder, training on each record's "text".
+_TEXT_DATASETS = ("c4", "c4_test", "c4_validation")
+
+
+def check_dataset(config: dict[str, Any]) -> None:
+    """A local dataset_path of a text dataset is a folder holding data files
+    whose records have "text" (else a rank fails on load or first sample)."""
+    training = config.get("training", {})
+    name, value = training.get("dataset"), training.get("dataset_path")
+    if name not in _TEXT_DATASETS or not value or "://" in value:
+        return
+    path, what = Path(value), f"training.dataset_path {value}"
+    reads = f"upstream's {name} loader reads a folder (HF datasets' load_dataset)"
+    if path.is_file():
+        raise ConfigError(
+            f"{what} is a file; {reads}: put the file in a folder and pass the folder"
+        )
+    files = (Path(root) / f for root, _, names in os.walk(path) for f in sorted(names))
+    first = next(files, None)
+    if first is None:
+        raise ConfigError(
+            f"{what} holds no files; {reads} of .jsonl, .json, .parquet, .csv or "
+            ".txt files"
+        )
+    candidates = itertools.chain([first], itertools.islice(files, 1000))
+    sample = next((f for f in candidates if f.suffix == ".jsonl"), None)
+    record = _first_record(sample) if sample else None
+    if isinstance(record, dict) and "text" not in record:
+        raise ConfigError(
+            f"{sample}: its records have no 'text' field (they have "
+            f"{sorted(record)[:5]}); upstream's {name} trains on each record's "
+            "'text': rename the field"
+        )
+
+
+def _first_record(path: Path) -> Any:
+    """The first JSON line of a .jsonl file; None when unreadable."""
+    try:
+        with open(path) as f:
+            line = next((x for x in f if x.strip()), "")
+        return json.loads(line)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
 def check_checkpoint(config: dict[str, Any]) -> None:
     """A checkpoint to start from is loaded only with checkpointing on."""
     checkpoint = config.get("checkpoint", {})
@@ -225,6 +274,7 @@ def check(
     check_layout(config, world_size, launch)
     check_values(config)
     absolute_paths(config)
+    check_dataset(config)
     hf_model.prepare(config)
     check_checkpoint(config)
     from torchtitan_npu.bootstrap import activate
