@@ -164,7 +164,7 @@ def _first_record(path: Path) -> Any:
         with open(path) as f:
             line = next((x for x in f if x.strip()), "")
         return json.loads(line)
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return None
 
 
