@@ -317,6 +317,7 @@ def test_cli_convert(llama_hf, tmp_path):
     )  # fmt: skip
     assert good.returncode == 0, good.stderr[-2000:]
     assert "llama3 debugmodel" in good.stdout and "from-hf [" in good.stderr
+    assert "\r" not in good.stderr  # not a terminal: lines, no redrawn bar
     train = (
         "--model.name llama3 --model.flavor debugmodel --checkpoint.initial_load_path"
     )
@@ -326,15 +327,30 @@ def test_cli_convert(llama_hf, tmp_path):
         capture_output=True, text=True,
     )  # fmt: skip
     assert named.returncode == 0 and "llama3 debugmodel" in named.stdout
-    hf = subprocess.run(
-        [*command, "to-hf", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--model",
-         "llama3", "--dtype", "bf16", "--tokenizer", str(llama_hf)],
+    hf = subprocess.run(  # no --model: from-hf recorded it
+        [*command, "to-hf", str(tmp_path / "dcp"), str(tmp_path / "hf"),
+         "--dtype", "bf16", "--tokenizer", str(llama_hf)],
         capture_output=True, text=True,
     )  # fmt: skip
     assert hf.returncode == 0, hf.stderr[-2000:]
+    assert "wrote " in hf.stdout and "(llama3 debugmodel," in hf.stdout
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16"
     assert (tmp_path / "hf" / "generation_config.json").exists()  # --tokenizer
+
+
+def test_to_hf_without_a_recorded_model_asks_for_one(llama_hf, tmp_path, capsys):
+    from torchtitan_npu.cli import main
+
+    convert.from_hf(llama_hf, tmp_path / "dcp", "llama3", progress=False)
+    (tmp_path / "dcp" / convert.PROVENANCE).unlink()  # a checkpoint from elsewhere
+    assert main(["convert", "to-hf", str(tmp_path / "dcp"), str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err == (
+        f"titan-npu: error: native checkpoint {tmp_path / 'dcp'}: its model is not "
+        "recorded (no from-hf record, no training run config beside it); pass "
+        "--model (titan-npu models lists them)\n"
+    )
+    assert not (tmp_path / "hf").exists()
 
 
 def test_qwen2_tied_flavor_round_trip(tmp_path):

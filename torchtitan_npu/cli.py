@@ -317,8 +317,18 @@ def _run_convert(args: argparse.Namespace) -> int:
     from torchtitan_npu.state_dict_adapters.architecture import HF_FLAVOR
 
     dtype = convert.DTYPE_ARGS.get(args.dtype) if args.dtype else None
-    if args.model is None:  # from-hf: the model config.json names
-        args.model = convert.model_of(args.source)
+    if args.model is None and args.direction == "from-hf":
+        args.model = convert.model_of(args.source)  # the one config.json names
+    elif args.model is None:  # to-hf: the one the checkpoint's run recorded
+        args.model = convert.recorded_model(Path(args.source))[0]
+        if args.model is None:
+            raise convert.ConversionError(
+                f"native checkpoint {args.source}",
+                [
+                    "its model is not recorded (no from-hf record, no training "
+                    "run config beside it); pass --model (titan-npu models lists them)"
+                ],
+            )
     common = dict(model=args.model, flavor=args.flavor, dtype=dtype)
     if args.direction == "from-hf":
         result = convert.from_hf(
@@ -431,8 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("out", metavar="OUT", help="new directory (atomic)")
         sub.add_argument(
             "--model",
-            required=name == "to-hf",
-            help="llama3, qwen3, ... (from-hf: default, the one config.json names)",
+            help="llama3, qwen3, ... (default: the one config.json names, for "
+            "to-hf the one the checkpoint's run or from-hf recorded)",
         )
         sub.add_argument(
             "--flavor",

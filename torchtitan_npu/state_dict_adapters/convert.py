@@ -384,6 +384,20 @@ def _origin(checkpoint: Path, hf_config) -> _Origin:
     return _Origin()
 
 
+def recorded_model(path: Path) -> tuple[str | None, str | None, str, dict]:
+    """(model, flavor, where that was read, the run's config) from from-hf's
+    provenance or the config of the training run the checkpoint is in."""
+    if (path / PROVENANCE).is_file():
+        record = read_json_file(path / PROVENANCE)
+        return record.get("model"), record.get("flavor"), PROVENANCE, {}
+    run = run_config(path)
+    if run is None:
+        return None, None, "not recorded", {}
+    where, config = run
+    settings = config.get("model", {})
+    return settings.get("name"), settings.get("flavor"), str(where), config
+
+
 def run_config(checkpoint: Path) -> tuple[Path, dict] | None:
     """(path, contents) of the config of the training run a checkpoint is in
     (``DUMP_FOLDER/checkpoint/step-N``), if it is in one."""
@@ -530,20 +544,23 @@ def check_stop() -> None:
 
 
 class Progress:
-    """A one-line progress bar on stderr (bytes, GB/s), for a ``with`` block:
-    completed at its end, or its line ended when the block fails."""
+    """Progress on stderr (bytes, GB/s) for a ``with`` block: on a terminal one
+    line redrawn twice a second, into a file or pipe a line every 30 s; the
+    last line at the end, or the open line ended when the block fails."""
 
     def __init__(self, label: str, total: int, enabled: bool):
         self.label, self.total, self.enabled = label, max(total, 1), enabled
         self.done_bytes, self.start, self.shown = 0, time.perf_counter(), 0.0
+        self.redraw = sys.stderr.isatty()
+        self.interval = 0.5 if self.redraw else 30.0
 
     def advance(self, nbytes: int) -> None:
         check_stop()
         self.done_bytes += nbytes
         now = time.perf_counter()
-        if self.enabled and now - self.shown > 0.5:
+        if self.enabled and now - max(self.shown, self.start) > self.interval:
             self.shown = now
-            self._print("\r")
+            self._print()
 
     def __enter__(self) -> Progress:
         return self
@@ -552,19 +569,21 @@ class Progress:
         if not self.enabled:
             return
         if kind is None:
-            self._print("\r")
-            sys.stderr.write("\n")
-        elif self.shown:
+            self._print()
+            if self.redraw:
+                sys.stderr.write("\n")
+        elif self.shown and self.redraw:
             sys.stderr.write("\n")  # the error's line is its own
 
-    def _print(self, prefix: str) -> None:
+    def _print(self) -> None:
         seconds = max(time.perf_counter() - self.start, 1e-9)
         frac = self.done_bytes / self.total
         bar = "#" * int(30 * frac)
+        start, end = ("\r", "") if self.redraw else ("", "\n")
         sys.stderr.write(
-            f"{prefix}{self.label} [{bar:<30}] {frac:6.1%} "
+            f"{start}{self.label} [{bar:<30}] {frac:6.1%} "
             f"{self.done_bytes / 1e9:.2f}/{self.total / 1e9:.2f} GB "
-            f"{self.done_bytes / 1e9 / seconds:.2f} GB/s"
+            f"{self.done_bytes / 1e9 / seconds:.2f} GB/s{end}"
         )
         sys.stderr.flush()
 

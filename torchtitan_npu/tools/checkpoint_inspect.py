@@ -18,11 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.state_dict_adapters import native_era
-from torchtitan_npu.state_dict_adapters.convert import (
-    PROVENANCE,
-    read_json_file,
-    run_config,
-)
+from torchtitan_npu.state_dict_adapters.convert import recorded_model
 from torchtitan_npu.state_dict_adapters.mapping import TensorInfo
 from torchtitan_npu.state_dict_adapters.native_io import NativeCheckpoint
 
@@ -87,7 +83,7 @@ def inspect(path: str | Path) -> CheckpointInfo:
         for where in metadata.storage_data.values()
         if (m := _WRITER.match(where.relative_path))
     }
-    model, flavor, origin, run = _recorded_model(checkpoint.path)
+    model, flavor, origin, run = recorded_model(checkpoint.path)
     return CheckpointInfo(
         path=checkpoint.path,
         era=native_era(checkpoint.model_layout),
@@ -120,20 +116,6 @@ def _split(meta: TensorStorageMetadata) -> str:
         if (n := len({tuple(c.offsets)[d] for c in meta.chunks})) > 1
     ]
     return ", ".join(cuts) or "whole"
-
-
-def _recorded_model(path: Path) -> tuple[str | None, str | None, str, dict]:
-    """(model, flavor, where that was read, the run's config) from from-hf's
-    provenance or the config of the training run the checkpoint is in."""
-    if (path / PROVENANCE).is_file():
-        record = read_json_file(path / PROVENANCE)
-        return record.get("model"), record.get("flavor"), PROVENANCE, {}
-    run = run_config(path)
-    if run is None:
-        return None, None, "not recorded", {}
-    where, config = run
-    settings = config.get("model", {})
-    return settings.get("name"), settings.get("flavor"), str(where), config
 
 
 def report(info: CheckpointInfo) -> str:
