@@ -107,6 +107,12 @@ def _plan_before_training(config: dict, world_size: int | None) -> None:
 
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    return _interruptible(
+        lambda: _make_plan(args, overrides), "plan", "no plan was made"
+    )
+
+
+def _make_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     from torchtitan_npu import launcher
     from torchtitan_npu.config import parse_overrides, preflight, resolve
     from torchtitan_npu.distributed import check_torch_loads
