@@ -245,6 +245,49 @@ def _other_era_checkpoint(path: Path) -> None:
     dcp.save({k: torch.zeros(2, 2) for k in names}, checkpoint_id=str(path))
 
 
+def _model_checkpoint(path: Path, name: str, *, training_state: bool) -> None:
+    """A DCP checkpoint of `name` debugmodel's tensors (zeros), and its
+    training state (as a full save has it) or not (a model-only save)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_npu.config import era_config
+    from torchtitan_npu.state_dict_adapters import convert
+
+    model = era_config(convert.current_era()).meta_model(name, "debugmodel")
+    state = {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}
+    if training_state:
+        state["train_state"] = {"step": 3}
+        for section in ("optimizer", "lr_scheduler", "dataloader"):
+            state[section] = {"x": torch.zeros(1)}
+    dcp.save(state, checkpoint_id=str(path))
+
+
+@pytest.mark.parametrize(
+    "name, training_state, problem",
+    [
+        ("qwen3", True, "does not fit llama3 debugmodel: it has 42 in another shape"),
+        ("llama3", False, "holds the model only (no optimizer, lr_scheduler, "),
+    ],
+)
+def test_a_checkpoint_the_run_cannot_resume_is_refused_before_launch(
+    name, training_state, problem, tmp_path, capsys, deactivate_after
+):
+    """Another model trained into the dump folder (every rank would fail in
+    DCP's load), or a model-only last step (the run would miss its state)."""
+    dump = tmp_path / "run"
+    _model_checkpoint(
+        dump / "checkpoint" / "step-3", name, training_state=training_state
+    )
+    code = main(
+        ["train", "--job.dump_folder", str(dump), "--checkpoint.enable", "true"]
+    )
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(lines) == 1 and problem in lines[0], lines
+    assert not (dump / "logs").exists()  # nothing launched
+
+
 @pytest.mark.parametrize("how", ["initial_load_path", "resume", "unfinished"])
 def test_a_checkpoint_that_cannot_load_is_refused_before_launch(
     how, tmp_path, capsys, deactivate_after
@@ -527,7 +570,8 @@ def test_signal_before_launch_is_one_line(capsys):
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("the signal did not stop it")
 
+    before = signal.getsignal(signal.SIGTERM)
     assert _interruptible(preflight, "train", "nothing was launched") == 143
     err = capsys.readouterr().err
     assert err == "titan-npu: error: train stopped by SIGTERM; nothing was launched\n"
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
+    assert signal.getsignal(signal.SIGTERM) is before  # handler restored

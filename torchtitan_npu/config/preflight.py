@@ -229,6 +229,7 @@ def check_loadable(
         raise ConfigError(f"checkpoint to load: {e}") from None
     saved = native_era(checkpoint.model_layout)
     if saved is None or saved == era:
+        _check_training_state(config, checkpoint, resume)
         _check_data_position(config, checkpoint, world_size)
         return
     versions = ", ".join(e.version for e in read_lock() if e.era == saved)
@@ -240,6 +241,76 @@ def check_loadable(
         f"titan-npu checkpoint migrate {path} OUT --to {version}, then load OUT "
         f"with --checkpoint.initial_load_path OUT "
         f"--checkpoint.initial_load_model_only false{fresh}"
+    )
+
+
+def check_model_fits(config: dict[str, Any], era: Any) -> None:
+    """The checkpoint the run will load has every tensor of the configured
+    model, in its shape (else every rank fails in DCP's load: another model,
+    flavor or size trained into this dump folder, or a wrong
+    initial_load_path). Tensors the model lacks (LoRA, say) are ignored, as
+    upstream's load ignores them."""
+    found = checkpoint_to_load(config)
+    excluded = config.get("checkpoint", {}).get("exclude_from_loading") or []
+    if found is None or "model" in excluded:
+        return
+    from torchtitan_npu.state_dict_adapters.native_io import NativeCheckpoint
+
+    path, resume = found
+    saved = NativeCheckpoint(path).model_layout
+    model = config.get("model", {})
+    name, flavor = model.get("name", "llama3"), model.get("flavor", "debugmodel")
+    wanted = era.meta_model(name, flavor).state_dict()
+    missing = [k for k in wanted if k not in saved]
+    reshaped = [
+        f"{k}: {list(saved[k].shape)}, the model's {list(wanted[k].shape)}"
+        for k in wanted
+        if k in saved and tuple(saved[k].shape) != tuple(wanted[k].shape)
+    ]
+    if not missing and not reshaped:
+        return
+    problems = []
+    if missing:
+        problems.append(
+            f"lacks {len(missing)} of the model's {len(wanted)} tensors "
+            f"({missing[0]}, ...)"
+        )
+    if reshaped:
+        problems.append(f"has {len(reshaped)} in another shape ({reshaped[0]}, ...)")
+    fix = (
+        "train that checkpoint's model here, or this one in another --job.dump_folder"
+        if resume
+        else "pass a checkpoint of this model (titan-npu checkpoint inspect says "
+        "what one holds)"
+    )
+    raise ConfigError(
+        f"checkpoint {path} does not fit {name} {flavor}: it {' and '.join(problems)}; "
+        f"{fix}"
+    )
+
+
+_TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+
+
+def _check_training_state(config, checkpoint, resume: bool) -> None:
+    """A resume (or a load with initial_load_model_only false) loads the
+    training state too, which a model-only save lacks."""
+    settings = config.get("checkpoint", {})
+    if not resume and settings.get("initial_load_model_only", True):
+        return
+    excluded = settings.get("exclude_from_loading") or []
+    saved = {key.split(".")[0] for key in checkpoint.metadata.state_dict_metadata}
+    lacking = [s for s in _TRAINING_STATE if s not in saved and s not in excluded]
+    if not lacking:
+        return
+    path = checkpoint.path
+    raise ConfigError(
+        f"checkpoint {path} holds the model only (no {', '.join(lacking)}: a last "
+        "step saved with checkpoint.last_save_model_only, upstream's default), "
+        "and this run loads its training state too; train on from its weights "
+        f"with a fresh optimizer and schedule: --checkpoint.initial_load_path {path} "
+        "in another --job.dump_folder (--checkpoint.last_save_model_only false "
+        "makes a last step resumable)"
     )
 
 
@@ -300,6 +371,7 @@ def check(
             f"era {activation.context.era}'s ({type(e).__name__}: {e}); install "
             "a tested upstream (titan-npu --version lists the lock)"
         ) from e
+    check_model_fits(config, era)
     if not layout:
         return
     era.check_runnable(translated, device_type=device_type or here, version=version)
