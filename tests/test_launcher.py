@@ -288,6 +288,16 @@ def test_a_checkpoint_the_run_cannot_resume_is_refused_before_launch(
     assert not (dump / "logs").exists()  # nothing launched
 
 
+def test_a_seed_checkpoint_resumes_model_only(tmp_path, deactivate_after):
+    """Upstream loads a step-0 (``create_seed_checkpoint``) model-only."""
+    from torchtitan_npu.config import preflight, resolve
+
+    dump = tmp_path / "run"
+    _model_checkpoint(dump / "checkpoint" / "step-0", "llama3", training_state=False)
+    overrides = ["--job.dump_folder", str(dump), "--checkpoint.enable", "true"]
+    preflight.check(resolve(None, overrides), world_size=1, launch="1 process")
+
+
 @pytest.mark.parametrize("how", ["initial_load_path", "resume", "unfinished"])
 def test_a_checkpoint_that_cannot_load_is_refused_before_launch(
     how, tmp_path, capsys, deactivate_after

@@ -294,8 +294,11 @@ _TRAINING_STATE = ("optimizer", "lr_scheduler", "dataloader", "train_state")
 
 def _check_training_state(config, checkpoint, resume: bool) -> None:
     """A resume (or a load with initial_load_model_only false) loads the
-    training state too, which a model-only save lacks."""
+    training state too, which a model-only save lacks; upstream loads a
+    step-0 (a seed checkpoint) model-only."""
     settings = config.get("checkpoint", {})
+    if resume and checkpoint.path.name == "step-0":
+        return
     if not resume and settings.get("initial_load_model_only", True):
         return
     excluded = settings.get("exclude_from_loading") or []
