@@ -298,6 +298,21 @@ def test_a_seed_checkpoint_resumes_model_only(tmp_path, deactivate_after):
     preflight.check(resolve(None, overrides), world_size=1, launch="1 process")
 
 
+def test_load_step_is_the_checkpoint_checked(tmp_path, capsys, deactivate_after):
+    dump = tmp_path / "run"
+    load = ["--checkpoint.enable", "true", "--checkpoint.load_step", "5"]
+    assert main(["train", "--job.dump_folder", str(dump), *load]) == 2
+    assert capsys.readouterr().err == (
+        f"titan-npu: error: checkpoint.load_step 5: there is no checkpoint folder "
+        f"{dump}/checkpoint to load it from\n"
+    )
+    _model_checkpoint(dump / "checkpoint" / "step-3", "llama3", training_state=True)
+    assert main(["train", "--job.dump_folder", str(dump), *load]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("titan-npu: error: checkpoint to load: native checkpoint ")
+    assert "step-5: does not exist" in err
+
+
 @pytest.mark.parametrize("how", ["initial_load_path", "resume", "unfinished"])
 def test_a_checkpoint_that_cannot_load_is_refused_before_launch(
     how, tmp_path, capsys, deactivate_after

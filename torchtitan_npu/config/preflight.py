@@ -180,13 +180,22 @@ def check_checkpoint(config: dict[str, Any]) -> None:
 
 def checkpoint_to_load(config: dict[str, Any]) -> tuple[Path, bool] | None:
     """(the DCP checkpoint the run will load, whether it resumes), as upstream
-    picks it: the newest ``step-N`` of the run's own checkpoint folder with a
-    .metadata (a resume), else ``initial_load_path`` (unless it is HF)."""
+    picks it: ``load_step``'s or else the newest ``step-N`` of the run's own
+    checkpoint folder with a .metadata (a resume), else ``initial_load_path``
+    (unless it is HF)."""
     checkpoint = config.get("checkpoint", {})
     if not checkpoint.get("enable"):
         return None
     dump = Path(config.get("job", {}).get("dump_folder", "./outputs"))
     folder = dump / checkpoint.get("folder", "checkpoint")
+    load_step = checkpoint.get("load_step", -1)
+    if load_step != -1:
+        if not folder.is_dir():
+            raise ConfigError(
+                f"checkpoint.load_step {load_step}: there is no checkpoint folder "
+                f"{folder} to load it from"
+            )
+        return folder / f"step-{load_step}", True
     steps = [
         (int(m.group(1)), p)
         for p in (folder.iterdir() if folder.is_dir() else ())
