@@ -46,6 +46,19 @@ def test_resolve_fills_embedded_assets_and_applies_overrides(tmp_path, monkeypat
 def test_missing_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_toml(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="is a directory; pass a TOML file"):
+        load_toml(tmp_path)
+    (tmp_path / "latin1.toml").write_bytes(b"# \xe9t\xe9\n")
+    with pytest.raises(ConfigError, match="latin1.toml cannot be read: 'utf-8' codec"):
+        load_toml(tmp_path / "latin1.toml")
+
+
+def test_a_config_without_a_model_trains_upstreams_default(tmp_path, monkeypatch):
+    """0.2.x's JobConfig defaults (llama3 debugmodel), on every era."""
+    monkeypatch.setenv("TITAN_NPU_CACHE", str(tmp_path))
+    (tmp_path / "mine.toml").write_text("[training]\nsteps = 3\n")
+    model = resolve(tmp_path / "mine.toml", [])["model"]
+    assert (model["name"], model["flavor"]) == ("llama3", "debugmodel")
 
 
 @requires_era("config_registry")

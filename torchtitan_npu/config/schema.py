@@ -27,12 +27,16 @@ def wrong_type(key: str, value: Any, want: str, version: str) -> ConfigError:
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"train config {path} is a directory; pass a TOML file")
     if not path.is_file():
         raise ConfigError(f"train config {path} does not exist")
     try:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"train config {path} is not valid TOML: {e}") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"train config {path} cannot be read: {e}") from e
 
 
 def parse_value(text: str) -> Any:
@@ -93,6 +97,8 @@ def resolve(config_path: str | Path | None, overrides: list[str]) -> dict[str, A
     config = load_toml(config_path or DEFAULT_CONFIG)
     apply_overrides(config, parse_overrides(overrides))
     model = config.setdefault("model", {})
+    model.setdefault("name", "llama3")  # upstream 0.2.x's defaults, on every era
+    model.setdefault("flavor", "debugmodel")
     training = config.setdefault("training", {})
     if (
         model.get("hf_assets_path", EMBEDDED) == EMBEDDED
