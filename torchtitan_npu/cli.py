@@ -300,22 +300,18 @@ def _interruptible(run: Callable[[], int], what: str, undone: str) -> int:
     """run() with Ctrl-C / SIGTERM as one line (`what` stopped by SIGINT;
     `undone`); a writer stops at its next tensor and leaves no OUT
     (atomic_dir). A launched run forwards them instead (``supervise``)."""
-    import signal
-
+    from torchtitan_npu import interrupts
     from torchtitan_npu.errors import Interrupted
 
     def stop(signum, frame):
         raise Interrupted(signum, what)
 
-    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return run()
+        with interrupts.handled(stop):
+            return run()
     except Interrupted as e:
         print(f"titan-npu: error: {e}; {undone}", file=sys.stderr)
         return 128 + e.signum
-    finally:
-        for signum, handler in old.items():
-            signal.signal(signum, handler)
 
 
 def _run_convert(args: argparse.Namespace) -> int:

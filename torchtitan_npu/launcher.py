@@ -17,7 +17,6 @@
   logs, TensorBoard files and checkpoints are.
 """
 
-import contextlib
 import json
 import os
 import re
@@ -25,12 +24,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchtitan_npu import interrupts
 from torchtitan_npu.errors import LaunchError
 
 RUN_DIR_ENV = "TITAN_NPU_RUN_DIR"  # where ranks record their failures
@@ -199,7 +197,7 @@ def supervise(
         process.send_signal(signum if len(stopped) == 1 else signal.SIGKILL)
 
     muted = False
-    with open(log, "w") as log_file, _handling(forward):
+    with open(log, "w") as log_file, interrupts.handled(forward):
         log_file.write("$ " + " ".join(command) + "\n")
         assert process.stdout is not None
         for line in process.stdout:
@@ -213,21 +211,6 @@ def supervise(
         returncode = process.wait()
     seconds = time.monotonic() - start
     return RunResult(returncode, log, lines, seconds, stopped[0] if stopped else None)
-
-
-@contextlib.contextmanager
-def _handling(handler: Callable) -> Generator[None]:
-    """SIGINT and SIGTERM go to `handler` (in the main thread) for the block."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signals = (signal.SIGINT, signal.SIGTERM)
-    old = {s: signal.signal(s, handler) for s in signals}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 # Worker environment defaults: progress bars and deprecation notices of

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_npu import interrupts
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.errors import Interrupted
 from torchtitan_npu.state_dict_adapters import architecture, get_adapter, quantization
@@ -513,15 +513,9 @@ class _Stop:
 _STOP = _Stop()
 
 
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[None]:
+def _stop_on_signals() -> contextlib.AbstractContextManager[None]:
     """SIGINT / SIGTERM: stop at the next tensor (``check_stop``); a second
     one stops at once."""
-    import signal
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def handler(signum, frame):
         if _STOP.signum is not None:
@@ -529,12 +523,7 @@ def _stop_on_signals() -> Iterator[None]:
         _STOP.signum = signum
 
     _STOP.signum = None
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+    return interrupts.handled(handler)
 
 
 def check_stop() -> None:
