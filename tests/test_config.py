@@ -1,5 +1,8 @@
 """Train-config parsing and its translation to each upstream era."""
 
+import json
+from pathlib import Path
+
 import pytest
 from support import requires_era
 
@@ -41,6 +44,31 @@ def test_resolve_fills_embedded_assets_and_applies_overrides(tmp_path, monkeypat
     assert config["training"]["dataset"] == "c4_test"
     assert (tmp_path / config["training"]["dataset_path"] / "data.jsonl").exists()
     assert (tmp_path / config["model"]["hf_assets_path"] / "tokenizer.json").exists()
+
+
+def test_validation_on_the_embedded_corpus_reads_its_held_out_part(
+    tmp_path, monkeypatch
+):
+    """Not upstream's default c4_validation (a download), and none of the
+    records training reads."""
+    monkeypatch.setenv("TITAN_NPU_CACHE", str(tmp_path))
+    config = resolve(None, ["--validation.enable", "true"])
+    validation, training = config["validation"], config["training"]
+    assert validation["dataset"] == "c4_test"
+    held_out = Path(validation["dataset_path"]) / "data.jsonl"
+    corpus = Path(training["dataset_path"]) / "data.jsonl"
+    texts = {json.loads(line)["text"] for line in held_out.read_text().splitlines()}
+    seen = {json.loads(line)["text"] for line in corpus.read_text().splitlines()}
+    assert len(texts) > 100 and not texts & seen
+    assert resolve(None, ["--validation.dataset", "embedded"])["validation"] == {
+        "dataset": "c4_test",
+        "dataset_path": validation["dataset_path"],
+    }
+    own = ["--validation.enable", "true", "--validation.dataset_path", "/data"]
+    assert resolve(None, own)["validation"] == {"enable": True, "dataset_path": "/data"}
+    own[1:2] = ["true", "--validation.dataset", "embedded"]
+    with pytest.raises(ConfigError, match="validation.dataset_path is set but"):
+        resolve(None, own)
 
 
 def test_missing_config_file_is_a_clear_error(tmp_path):

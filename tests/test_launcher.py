@@ -30,6 +30,28 @@ BAD_INPUTS = [
     (["--training.steps", "0"], "training.steps = 0: must be at least 1"),
     (["--training.local_batch_size", "0"], "local_batch_size = 0: must be at least 1"),
     (["--optimizer.lr", "-0.1"], "optimizer.lr = -0.1: must be at least 0"),
+    (["--metrics.log_freq", "0"], "metrics.log_freq = 0: must be at least 1"),
+    (["--checkpoint.keep_latest_k", "1"], "keep_latest_k = 1: upstream keeps 0 (all)"),
+    (
+        ["--training.local_batch_size", "3", "--training.global_batch_size", "8"],
+        "training.global_batch_size 8 must be a positive multiple of "
+        "local_batch_size 3 x data-parallel degree 1",
+    ),
+    (
+        ["--nproc-per-node", "2", "--training.local_batch_size", "2"]
+        + ["--training.global_batch_size", "6"],
+        "local_batch_size 2 x data-parallel degree 2 (--nproc-per-node 2 x "
+        "--nnodes 1) = 4",
+    ),
+    (
+        ["--profiling.enable_profiling", "true", "--profiling.profile_freq", "2"],
+        "profiling.profile_freq 2 is shorter than profiler_warmup 3 + "
+        "profiler_active 1; set --profiling.profile_freq 4 or more",
+    ),
+    (
+        ["--device", "cpu", "--profiling.enable_memory_snapshot", "true"],
+        "profiling.enable_memory_snapshot records a cuda or npu allocator's",
+    ),
     (
         [
             "--nproc-per-node",
@@ -124,11 +146,26 @@ LATE_IN_THE_RANKS = [  # 0.3.x refuses these only after torchrun started
         "(upstream's own check)",
     ),
     (["--training.seq_len", "262144"], "exceeds attention RoPE maximum"),
+    (  # the config sections' own validation, run by upstream's parser
+        ["--parallelism.pipeline_parallel_microbatch_size", "0"],
+        "train config refused by torchtitan 0.3.0: parallelism."
+        "pipeline_parallel_microbatch_size must be greater than 0",
+    ),
+    (
+        ["--validation.enable", "true", "--validation.steps", "0"],
+        "train [validation] refused by torchtitan 0.3.0: validation steps must be "
+        "positive or -1",
+    ),
 ]
 
 
 LATE_IN_THE_RANKS_0_2 = [  # 0.2.x: an assertion, or a shape error in attention
     (["--training.seq_len", "255"], "255 is not a multiple of tensor_parallel 1 x 2"),
+    (
+        ["--validation.enable", "true", "--validation.seq_len", "512"],
+        "validation.seq_len 512 is longer than training.seq_len 256, the longest "
+        "sequence torchtitan",
+    ),
     (
         ["--nproc-per-node", "3", "--parallelism.tensor_parallel_degree", "3"]
         + ["--training.seq_len", "384"],
@@ -143,6 +180,25 @@ def test_what_upstream_refuses_in_the_ranks_is_refused_before_launch(
     args, problem, tmp_path, capsys, deactivate_after
 ):
     _refused_before_launch(args, problem, tmp_path, capsys)
+
+
+@requires_era("config_registry")
+@pytest.mark.parametrize(
+    "name, flavor",
+    [
+        *((name, "debugmodel") for name in ("llama3", "qwen2", "qwen3", "qwen3_5")),
+        *((name, "debugmodel") for name in ("deepseek_v3", "gpt_oss", "muse_glimmer")),
+        ("kimi_k2_7", "kimi_k2_5_debugmodel"),
+        ("flux", "debugmodel"),  # no decoder: no vocabulary to check
+    ],
+)
+def test_every_upstream_model_passes_the_checks_before_launch(
+    name, flavor, deactivate_after
+):
+    from torchtitan_npu.config import preflight, resolve
+
+    config = resolve(None, ["--model.name", name, "--model.flavor", flavor])
+    preflight.check(config, world_size=1, launch="--nproc-per-node 1")
 
 
 @requires_era("trainspec")
@@ -174,15 +230,16 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_before_launch(
 
 
 @pytest.mark.parametrize(
-    "layout, problem",
+    "layout, section, problem",
     [
-        ("file", "data.jsonl is a file; upstream's c4_test loader reads a folder"),
-        ("empty", "data holds no files; upstream's c4_test loader reads a folder"),
-        ("no_text", "its records have no 'text' field (they have ['body', 'id'])"),
+        ("file", "training", "{data} is a file; upstream's c4_test loader reads a"),
+        ("empty", "training", "{data} holds no files; upstream's c4_test loader"),
+        ("no_text", "training", "records have no 'text' field (they have ['body',"),
+        ("file", "validation", "{data} is a file; upstream's c4_test loader reads"),
     ],
 )
 def test_a_dataset_upstream_cannot_read_is_refused_before_launch(
-    layout, problem, tmp_path, capsys, deactivate_after
+    layout, section, problem, tmp_path, capsys, deactivate_after
 ):
     data = tmp_path / "data"
     data.mkdir()
@@ -192,7 +249,9 @@ def test_a_dataset_upstream_cannot_read_is_refused_before_launch(
         data.write_text(record)
     elif layout == "no_text":
         (data / "part-0.jsonl").write_text(record * 3)
-    args = ["--training.dataset", "c4_test", "--training.dataset_path", str(data)]
+    args = [f"--{section}.dataset", "c4_test", f"--{section}.dataset_path", str(data)]
+    args += ["--validation.enable", "true"] if section == "validation" else []
+    problem = problem.format(data=f"{section}.dataset_path {data}")
     _refused_before_launch(args, problem, tmp_path, capsys)
 
 
@@ -585,6 +644,21 @@ def test_interrupted_summary_says_so_even_before_a_step(tmp_path):
     assert (
         summary.splitlines()[0]
         == "titan-npu: stopped by SIGINT; no step trained in 7 s"
+    )
+
+
+def test_summary_tells_training_loss_from_validation_loss(tmp_path):
+    lines = [
+        "[titan] - INFO - step:  1  loss:  8.11227  grad_norm:  0.8576",
+        "[titan] - INFO - validate step:  1  loss:  8.0449  memory:  1.28GiB",
+        "[titan] - INFO - step:  2  loss:  8.02526  grad_norm:  0.8412",
+        "[titan] - INFO - validate step:  2  loss:  7.9955  memory:  1.39GiB",
+    ]
+    result = launcher.RunResult(0, tmp_path / "launcher.log", lines, 12.0, None)
+    summary = launcher.run_summary(result, tmp_path, None)
+    assert summary.splitlines()[0] == (
+        "titan-npu: trained steps 1-2 in 12 s; loss 8.1123 -> 8.0253; "
+        "validation loss 7.9955 (step 2)"
     )
 
 

@@ -11,19 +11,33 @@ from support import (
     train,
 )
 
+from torchtitan_npu.tools.scalars import read_scalars
+
 pytestmark = pytest.mark.e2e
 
 
 def test_training_falls_with_its_plan_and_summary(tmp_path):
-    """A fresh launch on two processes (FSDP), `--plan` first."""
-    scalars = train(tmp_path / "run", "--plan", nproc=2)
-    assert sorted(scalars["loss_metrics/global_avg_loss"]) == [1, 2, 3, 4]
+    """A fresh launch on two processes (FSDP), `--plan` first, validating on
+    the embedded corpus's held-out part."""
+    validation = ["--validation.enable", "true", "--validation.freq", "2"]
+    scalars = train(
+        tmp_path / "run", "--plan", *validation, "--validation.steps", "2", nproc=2
+    )
+    loss = scalars["loss_metrics/global_avg_loss"]
+    assert sorted(loss) == [1, 2, 3, 4]
     assert_loss_falls(scalars)
+    held_out = read_scalars(tmp_path / "run", ("validation_metrics/loss",))
+    held_out = held_out["validation_metrics/loss"]
+    assert sorted(held_out) == [1, 2, 4] and held_out[4] < held_out[1]
     out = (tmp_path / "run.log").read_text()
     assert "titan-npu: plan: peak " in out and "per rank; cpu: no limit" in out
     summary = out[out.index("titan-npu: trained") :]
     assert summary.startswith("titan-npu: trained steps 1-4 in ")
-    assert "loss 8." in summary and "log:" in summary and "tensorboard:" in summary
+    losses = f"loss {loss[1]:.4f} -> {loss[4]:.4f}"  # training's, then held out
+    assert summary.splitlines()[0].endswith(
+        f"{losses}; validation loss {held_out[4]:.4f} (step 4)"
+    )
+    assert "log:" in summary and "tensorboard:" in summary
     if newest_of_its_era():  # upstream's log noise differs per era, not per release
         for noise in ("Traceback", "Peak flops undefined", "lspci", "torch.compile()"):
             assert noise not in out, noise

@@ -321,12 +321,19 @@ def _one_line(message: str) -> str:
     return text[:400].removeprefix("titan-npu: error: ")
 
 
-_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[0-9.]+(?:e[-+]?\d+)?)")
+_LOSS = r"step:\s*(\d+)\s+loss:\s*(-?[0-9.]+(?:e[-+]?\d+)?)"
+_STEP = re.compile(r"(?<!validate )" + _LOSS)  # a training step's log line
+_VALIDATION = re.compile(r"validate " + _LOSS)
+
+
+def _losses(pattern: re.Pattern[str], lines: list[str]) -> dict[int, float]:
+    return {int(m[1]): float(m[2]) for m in map(pattern.search, lines) if m}
 
 
 def run_summary(result: RunResult, dump_folder: Path, tb_folder: Path | None) -> str:
     """What the run did and where its outputs are."""
-    losses = {int(m[1]): float(m[2]) for m in map(_STEP.search, result.lines) if m}
+    losses = _losses(_STEP, result.lines)
+    validation = _losses(_VALIDATION, result.lines)
     lines = []
     stopped = ""
     if result.stopped_by is not None:
@@ -337,6 +344,9 @@ def run_summary(result: RunResult, dump_folder: Path, tb_folder: Path | None) ->
             f"titan-npu: {stopped}trained steps {first}-{last} in "
             f"{result.seconds:.0f} s; loss {losses[first]:.4f} -> {losses[last]:.4f}"
         )
+        if validation:
+            step = max(validation)
+            lines[-1] += f"; validation loss {validation[step]:.4f} (step {step})"
     elif stopped:
         lines.append(f"titan-npu: {stopped}no step trained in {result.seconds:.0f} s")
     else:

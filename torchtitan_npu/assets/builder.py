@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,16 @@ CORPUS_MODULES = (
     "warnings wave weakref xml.dom.minidom xml.etree.ElementTree zipfile zipimport"
 ).split()
 
+# Held-out modules: the embedded validation set (the same prose, none of the
+# corpus's docstrings). Built beside the corpus, so the corpus is unchanged.
+VALIDATION_MODULES = (
+    "code codeop colorsys compileall doctest email.headerregistry email.parser "
+    "graphlib http.cookies importlib.abc linecache logging.config "
+    "multiprocessing.managers pdb pydoc reprlib runpy sched secrets selectors "
+    "stat symtable sysconfig tabnanny trace tracemalloc unittest.loader "
+    "urllib.robotparser wsgiref.handlers xml.sax.handler xmlrpc.client zoneinfo"
+).split()
+
 MIN_DOC_CHARS = 200  # shorter docstrings are mostly signatures, not prose
 
 
@@ -44,6 +55,7 @@ class DefaultAssets:
 
     root: Path
     dataset_path: Path  # a folder `datasets.load_dataset` reads (data.jsonl)
+    validation_path: Path  # the same, held out from the corpus
     tokenizer_path: Path  # a folder with tokenizer.json + tokenizer_config.json
     corpus_sha256: str
 
@@ -82,11 +94,14 @@ def _public_docs(module) -> list[str]:
     return [d for d in docs if len(d) >= MIN_DOC_CHARS]
 
 
-def build_corpus_records() -> list[str]:
-    """The corpus: one record per docstring, deduplicated, deterministic."""
-    seen: set[str] = set()
+def build_corpus_records(
+    modules: Sequence[str] = CORPUS_MODULES, seen: Iterable[str] = ()
+) -> list[str]:
+    """The corpus: one record per docstring, deduplicated, deterministic;
+    none of the docstrings in `seen`."""
+    seen = set(seen)
     records = []
-    for name in CORPUS_MODULES:
+    for name in modules:
         try:
             module = importlib.import_module(name)
         except ImportError:  # e.g. a Python built without sqlite3 or tkinter
@@ -145,16 +160,34 @@ def _build(root: Path) -> None:
             raise
 
 
+def _build_validation(root: Path) -> None:
+    """The held-out set, added to a built cache (atomically)."""
+    corpus = (root / "dataset" / "data.jsonl").read_text().splitlines()
+    seen = {json.loads(line)["text"] for line in corpus}
+    records = build_corpus_records(VALIDATION_MODULES, seen)
+    staging = Path(tempfile.mkdtemp(prefix="validation.", dir=root))
+    lines = "".join(json.dumps({"text": r}) + "\n" for r in records)
+    (staging / "data.jsonl").write_text(lines)
+    try:
+        staging.rename(root / "validation")
+    except OSError:
+        if not (root / "validation" / "data.jsonl").exists():
+            raise
+
+
 def ensure_default_assets() -> DefaultAssets:
     """Build the assets once (atomically) and return their paths."""
     root = cache_root()
     if not (root / "meta.json").exists():
         root.parent.mkdir(parents=True, exist_ok=True)
         _build(root)
+    if not (root / "validation").exists():
+        _build_validation(root)
     meta = json.loads((root / "meta.json").read_text())
     return DefaultAssets(
         root=root,
         dataset_path=root / "dataset",
+        validation_path=root / "validation",
         tokenizer_path=root / "tokenizer",
         corpus_sha256=meta["corpus_sha256"],
     )

@@ -41,8 +41,11 @@ _RENAMES = {
     "model.hf_assets_path": "hf_assets_path",
     "training.dataset": "dataloader.dataset",
     "training.dataset_path": "dataloader.dataset_path",
+    "validation.dataset": "validator.dataloader.dataset",
+    "validation.dataset_path": "validator.dataloader.dataset_path",
 }
-_SECTION_RENAMES = {"profiling": "profiler", "validation": "validator"}
+SECTION_RENAMES = {"profiling": "profiler", "validation": "validator"}
+_SECTIONS_BACK = {"dataloader": "training"} | {v: k for k, v in SECTION_RENAMES.items()}
 # Keys consumed while choosing the base config, or pure descriptions.
 _HANDLED = {"model.name", "model.flavor", "job.description"}
 # [optimizer] keys that live in every param group's optimizer_kwargs on 0.3.x
@@ -52,7 +55,7 @@ _OPTIMIZER_KWARGS = {"lr", "eps", "weight_decay"}
 def _keys(trainer_config: Any) -> list[str]:
     """The train config keys this era takes, spelled as the TOML spells them."""
     back = {v: k for k, v in _RENAMES.items()}
-    sections = {v: k for k, v in _SECTION_RENAMES.items()}
+    sections = {v: k for k, v in SECTION_RENAMES.items()}
     keys = [*_HANDLED, *(f"optimizer.{k}" for k in _OPTIMIZER_KWARGS)]
     for path in leaf_paths(trainer_config):
         section, _, leaf = path.partition(".")
@@ -251,14 +254,16 @@ def _vision_frozen(parallelize_fn: Any, model: Any, *args: Any, **kwargs: Any) -
 
 
 def check_runnable(job: Any, *, device_type: str, version: str) -> None:
-    """What upstream refuses late, in the ranks, for the translated job: the
-    sequence its sequence/context parallelism cannot split evenly (the
-    Trainer's own rule) and what the model config's own
-    ``update_from_config`` refuses (TP not dividing the heads, a sequence
-    beyond RoPE's, tying under PP), run here on a copy. Every 0.3.x attention
-    backend has a CPU path, so ``device_type`` adds nothing."""
+    """What upstream refuses late, in the ranks, for the translated job: each
+    config section's own validation, the sequence its sequence/context
+    parallelism cannot split evenly (the Trainer's own rule) and what the
+    model config's own ``update_from_config`` refuses (TP not dividing the
+    heads, a sequence beyond RoPE's, tying under PP), run here on a copy.
+    Every 0.3.x attention backend has a CPU path, so ``device_type`` adds
+    nothing."""
     import copy
 
+    _validate_sections(copy.deepcopy(job), version)
     parallelism, seq = job.parallelism, job.training.seq_len
     sp = parallelism.enable_sequence_parallel and parallelism.tensor_parallel_degree
     cp = parallelism.context_parallel_degree
@@ -270,10 +275,10 @@ def check_runnable(job: Any, *, device_type: str, version: str) -> None:
             f"training.seq_len {seq} cannot be split evenly by "
             f"{' and '.join(splits)}: use a multiple of {divisor}"
         )
-    from torchtitan.models.common.config_utils import decoder_vocab_size
+    from torchtitan.models.common.decoder import Decoder
 
     spec = job.model_spec
-    vocab = decoder_vocab_size(spec)
+    vocab = spec.model.vocab_size if isinstance(spec.model, Decoder.Config) else None
     hf_model.check_tokenizer(job.hf_assets_path, vocab, f"{spec.name} {spec.flavor}")
     config = copy.deepcopy(job)
     model = config.model_spec.model
@@ -284,6 +289,32 @@ def check_runnable(job: Any, *, device_type: str, version: str) -> None:
         raise ConfigError(
             f"{spec.name} {spec.flavor}: {str(e).rstrip('.')} (upstream's own "
             "check); change the parallel degrees, the training settings or the flavor"
+        ) from None
+
+
+def _validate_sections(config: Any, version: str, path: str = "") -> None:
+    """Run each config dataclass's ``__post_init__``, innermost first, as
+    upstream's command-line parser does when it rebuilds the config in every
+    rank (a checkpoint interval of 0, keep_latest_k 1, a microbatch of 0 are
+    refused there). Values set after construction skip it; the model's own
+    config is left to ``update_from_config``."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name, None)
+        if field.name == "model_spec":
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if dataclasses.is_dataclass(item) and not isinstance(item, type):
+                _validate_sections(item, version, f"{path}{field.name}.")
+    post_init = getattr(type(config), "__post_init__", None)
+    if post_init is None:
+        return
+    try:
+        post_init(config)
+    except (ValueError, AssertionError) as e:
+        section = path.split(".")[0]
+        where = f"[{_SECTIONS_BACK.get(section, section)}]" if section else "config"
+        raise ConfigError(
+            f"train {where} refused by torchtitan {version}: {str(e).rstrip('.')}"
         ) from None
 
 
@@ -324,7 +355,7 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
                 group.optimizer_name = value
             continue
         target = _RENAMES.get(key) or ".".join(
-            [_SECTION_RENAMES.get(section, section), leaf]
+            [SECTION_RENAMES.get(section, section), leaf]
         )
         current = get_path(trainer_config, target)
         if current is MISSING or isinstance(current, dict):

@@ -33,10 +33,10 @@ def _degrees(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fixed(degrees: dict[str, int]) -> int:
-    """The product of the degrees that are set (not -1, "the rest")."""
+    """The product of the mesh degrees that are set (not -1, "the rest")."""
     product = 1
-    for value in degrees.values():
-        product *= 1 if value == -1 else value
+    for key in _DEGREES:
+        product *= 1 if degrees[key] == -1 else degrees[key]
     return product
 
 
@@ -70,16 +70,63 @@ _LEAST = {
     ("training", "local_batch_size"): 1,
     ("training", "seq_len"): 1,
     ("optimizer", "lr"): 0,
+    ("metrics", "log_freq"): 1,
+    ("checkpoint", "interval"): 1,
+    ("checkpoint", "keep_latest_k"): 0,
 }
 
 
 def check_values(config: dict[str, Any]) -> None:
     """Numbers upstream takes without a word (a negative learning rate, no
-    steps) or refuses only in the ranks (a batch of 0)."""
+    steps) or refuses only in the ranks (a batch of 0, a log every 0 steps)."""
     for (section, key), least in _LEAST.items():
         value = config.get(section, {}).get(key)
         if isinstance(value, (int, float)) and value < least:
             raise ConfigError(f"{section}.{key} = {value}: must be at least {least}")
+    if config.get("checkpoint", {}).get("keep_latest_k") == 1:
+        raise ConfigError(
+            "checkpoint.keep_latest_k = 1: upstream keeps 0 (all) or at least 2, "
+            "as the newest may still be being written"
+        )
+
+
+def check_batch(translated: Any, world_size: int | None, launch: str) -> None:
+    """Upstream's trainer splits the global batch into local batches x
+    data-parallel ranks x gradient-accumulation steps, and asserts it can."""
+    total = _setting(translated, "training", "global_batch_size", -1)
+    if world_size is None or total < 0:
+        return
+    local = _setting(translated, "training", "local_batch_size", 8)
+    dp = dp_degree(_parallelism(translated), world_size)
+    if total == 0 or total % (local * dp):
+        raise ConfigError(
+            f"training.global_batch_size {total} must be a positive multiple of "
+            f"local_batch_size {local} x data-parallel degree {dp} ({launch}) = "
+            f"{local * dp}: upstream accumulates gradients over global / (local x "
+            f"dp) steps; use a multiple of {local * dp}, or -1 for one step"
+        )
+
+
+def check_profiling(translated: Any, device_type: str) -> None:
+    """The profiler's cycle fits its period, and memory snapshots have a
+    device allocator to record (upstream fails at the first step)."""
+    if _setting(translated, "profiling", "enable_profiling", False):
+        freq = _setting(translated, "profiling", "profile_freq", 10)
+        warmup = _setting(translated, "profiling", "profiler_warmup", 3)
+        active = _setting(translated, "profiling", "profiler_active", 1)
+        if freq < warmup + active:
+            raise ConfigError(
+                f"profiling.profile_freq {freq} is shorter than profiler_warmup "
+                f"{warmup} + profiler_active {active}; set --profiling.profile_freq "
+                f"{warmup + active} or more"
+            )
+    if device_type == "cpu" and _setting(
+        translated, "profiling", "enable_memory_snapshot", False
+    ):
+        raise ConfigError(
+            "profiling.enable_memory_snapshot records a cuda or npu allocator's "
+            "history; this run is on cpu: set it false or train on a device"
+        )
 
 
 def check_chunked_loss(translated: Any) -> None:
@@ -104,6 +151,7 @@ def absolute_paths(config: dict[str, Any]) -> None:
     for section, key, what in [
         ("model", "hf_assets_path", "tokenizer/HF assets folder"),
         ("training", "dataset_path", "dataset path"),
+        ("validation", "dataset_path", "validation dataset path"),
         ("checkpoint", "initial_load_path", "checkpoint to start from"),
     ]:
         value = config.get(section, {}).get(key)
@@ -128,13 +176,17 @@ _TEXT_DATASETS = ("c4", "c4_test", "c4_validation")
 
 
 def check_dataset(config: dict[str, Any]) -> None:
-    """A local dataset_path of a text dataset is a folder holding data files
-    whose records have "text" (else a rank fails on load or first sample)."""
-    training = config.get("training", {})
-    name, value = training.get("dataset"), training.get("dataset_path")
-    if name not in _TEXT_DATASETS or not value or "://" in value:
-        return
-    path, what = Path(value), f"training.dataset_path {value}"
+    """A local dataset_path of a text dataset (training's, validation's) is a
+    folder holding data files whose records have "text" (else a rank fails on
+    load or first sample)."""
+    for section in ("training", "validation"):
+        data = config.get(section, {})
+        name, value = data.get("dataset"), data.get("dataset_path")
+        if name in _TEXT_DATASETS and value and "://" not in value:
+            _check_text_folder(Path(value), name, f"{section}.dataset_path {value}")
+
+
+def _check_text_folder(path: Path, name: str, what: str) -> None:
     reads = f"upstream's {name} loader reads a folder (HF datasets' load_dataset)"
     if path.is_file():
         raise ConfigError(
@@ -209,9 +261,9 @@ def checkpoint_to_load(config: dict[str, Any]) -> tuple[Path, bool] | None:
     return None
 
 
-def dp_degree(config: dict[str, Any], world_size: int) -> int:
-    """Data-parallel degree (replicate x shard) of a launch of `world_size`."""
-    degrees = _degrees(config)
+def dp_degree(degrees: dict[str, Any], world_size: int) -> int:
+    """Data-parallel degree (replicate x shard) of a launch of `world_size`
+    with these parallel degrees."""
     shard = degrees["data_parallel_shard_degree"]
     if shard == -1:
         shard = world_size // _fixed(degrees)
@@ -331,7 +383,7 @@ def _check_data_position(config, checkpoint, world_size: int | None) -> None:
     saved = checkpoint.read_number("dataloader.world_size")
     if world_size is None or "dataloader" in excluded or saved is None:
         return
-    now = dp_degree(config, world_size)
+    now = dp_degree(_degrees(config), world_size)
     if saved != now:
         raise ConfigError(
             f"checkpoint {checkpoint.path} holds the data position of "
@@ -386,9 +438,11 @@ def check(
     check_model_fits(config, era)
     if not layout:
         return
-    era.check_runnable(translated, device_type=device_type or here, version=version)
     check_expert_parallel(_parallelism(translated), world_size, launch)
     check_pipeline(translated)
+    check_batch(translated, world_size, launch)
+    check_profiling(translated, device_type or here)
+    era.check_runnable(translated, device_type=device_type or here, version=version)
     check_chunked_loss(translated)
 
 
@@ -403,10 +457,15 @@ def _parallelism(translated: Any) -> dict[str, int]:
 
 
 def _setting(translated: Any, section: str, key: str, default: Any) -> Any:
-    """One value of a translated config (0.2.x: the keys set, else ``default``)."""
+    """One value of a translated config (0.2.x: the keys set, else ``default``;
+    0.3.x: the section under its own name)."""
     if isinstance(translated, dict):
         return translated.get(section, {}).get(key, default)
-    return getattr(getattr(translated, section), key, default)
+    from torchtitan_npu.config.config_registry import SECTION_RENAMES
+
+    return getattr(
+        getattr(translated, SECTION_RENAMES.get(section, section)), key, default
+    )
 
 
 def check_pipeline(translated: Any) -> None:
@@ -446,7 +505,7 @@ def check_expert_parallel(
     cp_tp = degrees["context_parallel_degree"] * degrees["tensor_parallel_degree"]
     shard = degrees["data_parallel_shard_degree"]
     if shard == -1:
-        shard = world_size // _fixed({k: degrees[k] for k in _DEGREES})
+        shard = world_size // _fixed(degrees)
     borrowed = shard * cp_tp
     if borrowed % (ep * etp):
         raise ConfigError(

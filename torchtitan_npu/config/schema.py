@@ -100,25 +100,41 @@ def resolve(config_path: str | Path | None, overrides: list[str]) -> dict[str, A
     model.setdefault("name", "llama3")  # upstream 0.2.x's defaults, on every era
     model.setdefault("flavor", "debugmodel")
     training = config.setdefault("training", {})
+    validation = config.get("validation", {})
     if (
-        model.get("hf_assets_path", EMBEDDED) == EMBEDDED
-        or training.get("dataset") == EMBEDDED
+        validation.get("enable")
+        and training.get("dataset") == EMBEDDED
+        and not {"dataset", "dataset_path"} & set(validation)
+    ):
+        validation["dataset"] = EMBEDDED  # not upstream's c4_validation download
+    if EMBEDDED in (
+        model.get("hf_assets_path", EMBEDDED),
+        training.get("dataset"),
+        validation.get("dataset"),
     ):
         from torchtitan_npu.assets import ensure_default_assets
 
         assets = ensure_default_assets()
         if model.get("hf_assets_path", EMBEDDED) == EMBEDDED:
             model["hf_assets_path"] = str(assets.tokenizer_path)
-        if training.get("dataset") == EMBEDDED:
-            if training.get("dataset_path"):
-                raise ConfigError(
-                    f"training.dataset_path is set but training.dataset is "
-                    f"{EMBEDDED!r}; to train on your own data also set "
-                    "--training.dataset (e.g. c4_test for a local JSON corpus)"
-                )
-            training["dataset"] = "c4_test"  # upstream's local-JSON loader
-            training["dataset_path"] = str(assets.dataset_path)
+        _embedded_data(training, "training", assets.dataset_path)
+        _embedded_data(validation, "validation", assets.validation_path)
     return config
+
+
+def _embedded_data(section: dict[str, Any], name: str, path: Path) -> None:
+    """An ``embedded`` dataset: upstream's local-JSON loader on the embedded
+    corpus (training) or its held-out part (validation)."""
+    if section.get("dataset") != EMBEDDED:
+        return
+    if section.get("dataset_path"):
+        raise ConfigError(
+            f"{name}.dataset_path is set but {name}.dataset is {EMBEDDED!r}; to "
+            f"use your own data also set --{name}.dataset (e.g. c4_test for a "
+            "local JSON corpus)"
+        )
+    section["dataset"] = "c4_test"
+    section["dataset_path"] = str(path)
 
 
 def did_you_mean(value: str, known: Iterable[str]) -> str:

@@ -123,6 +123,15 @@ def translate(
         for section in sections:
             node = node.setdefault(section, {})
         node[leaf] = value
+    validation = out.get("validation", {})
+    if validation.get("enable"):
+        # As on 0.3.x, validation batches are training's unless set (0.2.x's
+        # own 2048 outruns a shorter training.seq_len, the model's RoPE table).
+        training = out.get("training", {})
+        for key in ("seq_len", "local_batch_size"):
+            validation.setdefault(
+                key, training.get(key, getattr(defaults.training, key))
+            )
     return out
 
 
@@ -144,6 +153,13 @@ def check_runnable(job: dict[str, Any], *, device_type: str, version: str) -> No
     name, flavor = model.get("name", "llama3"), model.get("flavor", "debugmodel")
     flavors = get_train_spec(name).model_args
     seq = job.get("training", {}).get("seq_len", 2048)
+    validation = job.get("validation", {})
+    if validation.get("enable") and validation.get("seq_len", 2048) > seq:
+        raise ConfigError(
+            f"validation.seq_len {validation.get('seq_len', 2048)} is longer than "
+            f"training.seq_len {seq}, the longest sequence torchtitan {version}'s "
+            "model is built for; set --validation.seq_len to at most that"
+        )
     if seq % (tp * 2 * cp):
         raise ConfigError(
             f"training.seq_len {seq} is not a multiple of tensor_parallel {tp} x 2 x "
