@@ -120,6 +120,11 @@ def test_config_registry_translation(upstream):
         ("profiling.enable_profilin", True, "'profiling.enable_profiling'"),
         ("model.flavor", "huge", "no flavor 'huge'"),
         ("model.name", "nonesuch", "unknown model 'nonesuch'"),
+        (
+            "activation_checkpoint.selective_ac_option",
+            2,
+            r"selective_ac_option 2 \(checkpoint every nth layer\) has no counterpart",
+        ),
     ],
 )
 def test_config_registry_rejects_what_it_cannot_honour(upstream, key, value, match):
@@ -131,6 +136,44 @@ def test_config_registry_rejects_what_it_cannot_honour(upstream, key, value, mat
     with pytest.raises(ConfigError, match=match) as info:
         translate(config, version=upstream.installed.version, device_type="cpu")
     assert "config_registry" in str(info.value)
+
+
+def test_a_number_given_for_a_text_field_is_its_text():
+    """`--activation_checkpoint.selective_ac_option 2` (0.2.x: a str field)."""
+    from torchtitan_npu.config.fields import expected, fitted
+
+    assert fitted(str, 2) == "2" and fitted(str | None, 0.5) == "0.5"
+    assert fitted(int, 2) == 2 and fitted(float | str, 2) == 2
+    assert fitted(str, True) is True and expected(str, fitted(bool, 1)) == "a string"
+
+
+@requires_era("config_registry")
+def test_the_optimizer_names_are_upstreams(upstream):
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    from torchtitan_npu.config.config_registry import OPTIMIZERS
+
+    for name in OPTIMIZERS:
+        assert callable(OptimizersContainer._resolve_optimizer_factory(name))
+    with pytest.raises(NotImplementedError, match="Optimizer SGD not added"):
+        OptimizersContainer._resolve_optimizer_factory("SGD")
+
+
+@requires_era("trainspec")
+def test_the_optimizer_names_are_upstreams_0_2(upstream):
+    from torch import nn
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config import JobConfig
+
+    from torchtitan_npu.config.trainspec import OPTIMIZERS
+
+    config = JobConfig().optimizer
+    for name in OPTIMIZERS:
+        config.name = name
+        assert build_optimizers([nn.Linear(2, 2)], config, None)  # pyrefly: ignore
+    config.name = "SGD"
+    with pytest.raises(NotImplementedError, match="Optimizer SGD not added"):
+        build_optimizers([nn.Linear(2, 2)], config, None)  # pyrefly: ignore
 
 
 @requires_era("trainspec")

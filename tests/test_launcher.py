@@ -31,6 +31,8 @@ BAD_INPUTS = [
     (["--training.local_batch_size", "0"], "local_batch_size = 0: must be at least 1"),
     (["--optimizer.lr", "-0.1"], "optimizer.lr = -0.1: must be at least 0"),
     (["--metrics.log_freq", "0"], "metrics.log_freq = 0: must be at least 1"),
+    (["--optimizer.name", "adamw"], "optimizer.name 'adamw' is not one torchtitan"),
+    (["--optimizer.name", "adamw"], "(did you mean 'AdamW'?); it builds Adam, AdamW"),
     (["--checkpoint.keep_latest_k", "1"], "keep_latest_k = 1: upstream keeps 0 (all)"),
     (
         ["--training.local_batch_size", "3", "--training.global_batch_size", "8"],

@@ -20,6 +20,7 @@ from torchtitan_npu.config.fields import (
     MISSING,
     expected,
     field_type,
+    fitted,
     get_path,
     has_path,
     leaf_paths,
@@ -34,6 +35,8 @@ from torchtitan_npu.config.schema import (
 from torchtitan_npu.models import MODEL_PACKAGES, find_model_module, needs
 
 ERA = Era.CONFIG_REGISTRY
+# The optimizer names upstream's OptimizersContainer builds
+OPTIMIZERS = ("Adam", "AdamW", "DistMuon")
 
 # project key -> Trainer.Config path
 _RENAMES = {
@@ -336,6 +339,13 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
     ac_mode = flat.pop("activation_checkpoint.mode", None)
     if ac_mode is not None:
         trainer_config.activation_checkpoint = _activation_checkpoint(ac_mode)
+    ac_option = flat.pop("activation_checkpoint.selective_ac_option", "op")
+    if ac_option != "op":  # 0.2.x's every-nth-layer selective AC
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option {ac_option!r} (checkpoint "
+            f"every nth layer) has no counterpart in torchtitan {version} (era "
+            f"{ERA}), whose selective AC is per op ('op'); use 'op', or mode 'full'"
+        )
     for key, value in flat.items():
         if key in _HANDLED:
             continue
@@ -363,7 +373,9 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
                 f"train config key {key!r} has no counterpart in torchtitan "
                 f"{version} (era {ERA}){did_you_mean(key, _keys(trainer_config))}"
             )
-        if want := expected(field_type(trainer_config, target), value):
+        annotation = field_type(trainer_config, target)
+        value = fitted(annotation, value)
+        if want := expected(annotation, value):
             raise wrong_type(key, value, want, version)
         set_path(trainer_config, target, value)
     if flat.get("model.converters") or any(k.startswith("quantize.") for k in flat):

@@ -54,6 +54,15 @@ def field_type(obj: Any, dotted: str) -> Any:
     return hints.get(leaf, Any)
 
 
+def fitted(annotation: Any, value: Any) -> Any:
+    """``value``, or its text where the field takes text and was given a number
+    (``--activation_checkpoint.selective_ac_option 2`` for a str field)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and expected(annotation, value) and not expected(annotation, str(value)):
+        return str(value)
+    return value
+
+
 def expected(annotation: Any, value: Any) -> str | None:
     """None when ``value`` fits ``annotation``, else what the field expects."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_npu.config import hf_model
-from torchtitan_npu.config.schema import ConfigError
+from torchtitan_npu.config.schema import ConfigError, did_you_mean
 
 # [parallelism] key -> upstream's default (-1: "the rest of the processes")
 _DEGREES = {
@@ -105,6 +105,21 @@ def check_batch(translated: Any, world_size: int | None, launch: str) -> None:
             f"{local * dp}: upstream accumulates gradients over global / (local x "
             f"dp) steps; use a multiple of {local * dp}, or -1 for one step"
         )
+
+
+def check_optimizer(translated: Any, known: tuple[str, ...], version: str) -> None:
+    """Upstream builds its optimizers by name, after the model (a few names)."""
+    if isinstance(translated, dict):
+        names = [translated.get("optimizer", {}).get("name", "AdamW")]
+    else:
+        names = [group.optimizer_name for group in translated.optimizer.param_groups]
+    for name in names:
+        if name not in known:
+            raise ConfigError(
+                f"optimizer.name {name!r} is not one torchtitan {version} builds"
+                f"{did_you_mean(name, known)}; it builds "
+                f"{', '.join(known)}"
+            )
 
 
 def check_profiling(translated: Any, device_type: str) -> None:
@@ -441,6 +456,7 @@ def check(
     check_expert_parallel(_parallelism(translated), world_size, launch)
     check_pipeline(translated)
     check_batch(translated, world_size, launch)
+    check_optimizer(translated, era.OPTIMIZERS, version)
     check_profiling(translated, device_type or here)
     era.check_runnable(translated, device_type=device_type or here, version=version)
     check_chunked_loss(translated)

@@ -138,6 +138,9 @@ def _embedded_data(section: dict[str, Any], name: str, path: Path) -> None:
 
 
 def did_you_mean(value: str, known: Iterable[str]) -> str:
-    """' (did you mean 'x'?)' for the closest known name, if one is close."""
-    close = difflib.get_close_matches(value, list(known), n=1, cutoff=0.6)
+    """' (did you mean 'x'?)' for the known name spelled alike but for case,
+    else the closest known name, if one is close."""
+    known = list(known)
+    close = [k for k in known if k.lower() == value.lower()]
+    close = close or difflib.get_close_matches(value, known, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""

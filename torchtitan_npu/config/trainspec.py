@@ -10,7 +10,13 @@ from typing import Any
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.config import hf_model
-from torchtitan_npu.config.fields import expected, field_type, has_path, leaf_paths
+from torchtitan_npu.config.fields import (
+    expected,
+    field_type,
+    fitted,
+    has_path,
+    leaf_paths,
+)
 from torchtitan_npu.config.schema import (
     ConfigError,
     did_you_mean,
@@ -19,6 +25,8 @@ from torchtitan_npu.config.schema import (
 )
 
 ERA = Era.TRAINSPEC
+# The optimizer names upstream's build_optimizers builds (every 0.2.x)
+OPTIMIZERS = ("Adam", "AdamW")
 
 # Before 0.2.2 the seed and determinism switches lived under [training].
 _LEGACY_DEBUG_KEYS = {
@@ -116,7 +124,9 @@ def translate(
                 f"train config key {key!r} has no counterpart in torchtitan "
                 f"{version} (era {ERA}){did_you_mean(key, known)}"
             )
-        if want := expected(field_type(defaults, target), value):
+        annotation = field_type(defaults, target)
+        value = fitted(annotation, value)
+        if want := expected(annotation, value):
             raise wrong_type(key, value, want, version)
         *sections, leaf = target.split(".")
         node = out
