@@ -359,6 +359,23 @@ def test_a_seed_checkpoint_resumes_model_only(tmp_path, deactivate_after):
     preflight.check(resolve(None, overrides), world_size=1, launch="1 process")
 
 
+def test_a_run_at_its_last_step_says_so_and_launches_nothing(
+    tmp_path, capsys, deactivate_after
+):
+    """The same command again after a finished run (upstream would start up
+    and stop): one line, exit 0."""
+    dump = tmp_path / "run"
+    _model_checkpoint(dump / "checkpoint" / "step-3", "llama3", training_state=True)
+    args = ["train", "--job.dump_folder", str(dump), "--checkpoint.enable", "true"]
+    assert main([*args, "--training.steps", "3"]) == 0
+    assert capsys.readouterr().out == (
+        f"titan-npu: nothing to train: {dump}/checkpoint/step-3 is at step 3 and "
+        "training.steps is 3; raise --training.steps to train on, or train afresh "
+        "in another --job.dump_folder\n"
+    )
+    assert not (dump / "logs").exists()
+
+
 def test_load_step_is_the_checkpoint_checked(tmp_path, capsys, deactivate_after):
     dump = tmp_path / "run"
     load = ["--checkpoint.enable", "true", "--checkpoint.load_step", "5"]

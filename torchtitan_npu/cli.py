@@ -46,6 +46,9 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         check_torch_loads()  # torch_npu without CANN: one line, not a traceback
         preflight.check(config, world_size=world_size, launch=launch)
+        if done := preflight.already_trained(config):
+            print(f"titan-npu: {done}", flush=True)
+            return 0
         if args.plan:
             _plan_before_training(config, world_size)
         run_dir = dump_folder / "logs" / launch_id

@@ -276,6 +276,23 @@ def checkpoint_to_load(config: dict[str, Any]) -> tuple[Path, bool] | None:
     return None
 
 
+def already_trained(config: dict[str, Any]) -> str | None:
+    """Why a launch would train nothing: the checkpoint it resumes is at its
+    training.steps already (upstream starts up, then stops); else None."""
+    found = checkpoint_to_load(config)
+    steps = config.get("training", {}).get("steps")
+    if found is None or not found[1] or not isinstance(steps, int):
+        return None
+    step = int(found[0].name.removeprefix("step-"))
+    if step < steps:
+        return None
+    return (
+        f"nothing to train: {found[0]} is at step {step} and training.steps is "
+        f"{steps}; raise --training.steps to train on, or train afresh in "
+        "another --job.dump_folder"
+    )
+
+
 def dp_degree(degrees: dict[str, Any], world_size: int) -> int:
     """Data-parallel degree (replicate x shard) of a launch of `world_size`
     with these parallel degrees."""
