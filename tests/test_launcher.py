@@ -232,6 +232,26 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_before_launch(
 
 
 @pytest.mark.parametrize(
+    "files, problem",
+    [
+        ([], "no tokenizer upstream reads (tokenizer.json, vocab.json, vocab.txt)"),
+        (["tokenizer.model"], "a SentencePiece tokenizer.model alone is not read"),
+    ],
+)
+def test_a_folder_without_a_tokenizer_upstream_reads_is_refused_before_launch(
+    files, problem, tmp_path, capsys, deactivate_after
+):
+    """Every era's HuggingFaceTokenizer reads tokenizer.json or vocab files."""
+    folder = tmp_path / "assets"
+    folder.mkdir()
+    for name in ["tokenizer_config.json", *files]:
+        (folder / name).write_text("{}")
+    args = ["--model.hf_assets_path", str(folder)]
+    _refused_before_launch(args, f"model.hf_assets_path {folder} has", tmp_path, capsys)
+    _refused_before_launch(args, problem, tmp_path, capsys)
+
+
+@pytest.mark.parametrize(
     "layout, section, problem",
     [
         ("file", "training", "{data} is a file; upstream's c4_test loader reads a"),

@@ -16,7 +16,8 @@ from typing import Any
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.errors import ConfigError, ConversionError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# What upstream's HuggingFaceTokenizer reads from hf_assets_path (every era)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
 
 
 def wanted(config: dict[str, Any]) -> bool:
@@ -48,11 +49,6 @@ def prepare(config: dict[str, Any]) -> None:
             "is no model titan-npu can build from config.json"
         )
     model["name"] = name  # the resolved config (titan_npu_config.json) says so
-    if not any((directory / f).is_file() for f in TOKENIZER_FILES):
-        raise ConfigError(
-            f"{directory} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy "
-            "the model's tokenizer files there"
-        )
     checkpoint = config.setdefault("checkpoint", {})
     if not checkpoint.get("initial_load_path"):
         if hf_config.get("quantization_config"):
@@ -89,11 +85,24 @@ def register(config: dict[str, Any], era: Era) -> None:
 
 
 def check_tokenizer(folder: str | None, vocab_size: int | None, model: str) -> None:
-    """The ids `folder`'s tokenizer.json can give have rows in `model`'s
-    embedding (an id past it fails every rank: an IndexError on CPU, a
-    device-side assert on CUDA)."""
+    """`folder` holds a tokenizer upstream reads, and the ids it can give have
+    rows in `model`'s embedding (an id past it fails every rank: an IndexError
+    on CPU, a device-side assert on CUDA)."""
     if not folder or not vocab_size or "://" in folder:
         return
+    if not any((Path(folder) / f).is_file() for f in TOKENIZER_FILES):
+        sentencepiece = (Path(folder) / "tokenizer.model").is_file()
+        raise ConfigError(
+            f"model.hf_assets_path {folder} has no tokenizer upstream reads "
+            f"({', '.join(TOKENIZER_FILES)})"
+            + (
+                "; a SentencePiece tokenizer.model alone is not read: save it as "
+                "tokenizer.json (transformers: AutoTokenizer.from_pretrained(DIR)"
+                ".save_pretrained(DIR))"
+                if sentencepiece
+                else "; point it at the model's tokenizer files"
+            )
+        )
     tokens = tokenizer_size(Path(folder) / "tokenizer.json")
     if tokens is not None and tokens > vocab_size:
         raise ConfigError(
