@@ -90,6 +90,16 @@ BAD_INPUTS = [
         "training.dataset_path: dataset path /no/such/data does not exist",
     ),
     (["--training.dataset_path", "/no/such/data"], "training.dataset is 'embedded'"),
+    (  # upstream's own debug TOML, run outside upstream's repository
+        ["--training.dataset", "c4_test"],
+        "training.dataset c4_test without a dataset_path reads upstream's "
+        "tests/assets/c4_test from the current directory, and there is none",
+    ),
+    (
+        ["--model.hf_assets_path", "./tests/assets/tokenizer"],
+        "./tests/assets/tokenizer does not exist (set --model.hf_assets_path PATH, "
+        "or embedded)",
+    ),
     (["--checkpoint.initial_load_path", "/no/such/ckpt"], "/no/such/ckpt does not"),
     (["--checkpoint.initial_load_path", "/"], "checkpoint.enable is false"),
     (["--model.flavor", "hf"], "model.flavor hf reads the architecture"),

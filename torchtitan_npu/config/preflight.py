@@ -178,9 +178,10 @@ def absolute_paths(config: dict[str, Any]) -> None:
             continue  # remote storage: upstream reads it
         path = Path(value).expanduser()
         if not path.exists():
+            embedded = ", or embedded" if key == "hf_assets_path" else ""
             raise ConfigError(
                 f"{section}.{key}: {what} {value} does not exist "
-                f"(set --{section}.{key} PATH)"
+                f"(set --{section}.{key} PATH{embedded})"
             )
         config[section][key] = str(path.resolve())
 
@@ -188,6 +189,7 @@ def absolute_paths(config: dict[str, Any]) -> None:
 # Upstream's text datasets (both eras): HF datasets' load_dataset(path) of a
 # local folder, training on each record's "text".
 _TEXT_DATASETS = ("c4", "c4_test", "c4_validation")
+_C4_TEST = "tests/assets/c4_test"  # c4_test's path in upstream's repository
 
 
 def check_dataset(config: dict[str, Any]) -> None:
@@ -197,6 +199,13 @@ def check_dataset(config: dict[str, Any]) -> None:
     for section in ("training", "validation"):
         data = config.get(section, {})
         name, value = data.get("dataset"), data.get("dataset_path")
+        if name == "c4_test" and not value and not Path(_C4_TEST).is_dir():
+            raise ConfigError(
+                f"{section}.dataset c4_test without a dataset_path reads upstream's "
+                f"{_C4_TEST} from the current directory, and there is none "
+                f"({Path.cwd()}): set --{section}.dataset_path to a folder of "
+                f".jsonl files, or --{section}.dataset embedded"
+            )
         if name in _TEXT_DATASETS and value and "://" not in value:
             _check_text_folder(Path(value), name, f"{section}.dataset_path {value}")
 
