@@ -73,6 +73,9 @@ _LEAST = {
     ("metrics", "log_freq"): 1,
     ("checkpoint", "interval"): 1,
     ("checkpoint", "keep_latest_k"): 0,
+    ("lr_scheduler", "warmup_steps"): 0,
+    ("lr_scheduler", "decay_ratio"): 0,
+    ("lr_scheduler", "min_lr_factor"): 0,
 }
 
 
@@ -83,6 +86,13 @@ def check_values(config: dict[str, Any]) -> None:
         value = config.get(section, {}).get(key)
         if isinstance(value, (int, float)) and value < least:
             raise ConfigError(f"{section}.{key} = {value}: must be at least {least}")
+    max_norm = config.get("training", {}).get("max_norm")
+    if isinstance(max_norm, (int, float)) and max_norm <= 0:
+        raise ConfigError(
+            f"training.max_norm = {max_norm}: must be above 0 (upstream always "
+            "clips: 0 zeroes every gradient, a negative norm flips them); a large "
+            "one (1e9) clips practically never"
+        )
     if config.get("checkpoint", {}).get("keep_latest_k") == 1:
         raise ConfigError(
             "checkpoint.keep_latest_k = 1: upstream keeps 0 (all) or at least 2, "
