@@ -409,6 +409,32 @@ def test_a_run_at_its_last_step_says_so_and_launches_nothing(
     assert not (dump / "logs").exists()
 
 
+@pytest.mark.parametrize(
+    "holds, in_hf, problem",
+    [
+        ("dcp", True, "has none: it is a DCP checkpoint; load it without --checkp"),
+        ("nothing", True, "has none; point --checkpoint.initial_load_path at an HF"),
+        ("safetensors", False, "or train from it as it is with --checkpoint.initial_"),
+    ],
+)
+def test_a_checkpoint_of_the_other_format_is_refused_before_launch(
+    holds, in_hf, problem, tmp_path, capsys, deactivate_after
+):
+    """HF safetensors loaded as DCP, or DCP (or nothing) loaded as HF."""
+    import torch
+    from safetensors.torch import save_file
+
+    initial = tmp_path / "initial"
+    initial.mkdir()
+    if holds == "dcp":
+        _model_checkpoint(initial, "llama3", training_state=False)
+    elif holds == "safetensors":
+        save_file({"model.norm.weight": torch.ones(2)}, initial / "model.safetensors")
+    args = ["--checkpoint.enable", "true", "--checkpoint.initial_load_path"]
+    args += [str(initial), "--checkpoint.initial_load_in_hf", str(in_hf).lower()]
+    _refused_before_launch(args, problem, tmp_path, capsys)
+
+
 def test_load_step_is_the_checkpoint_checked(tmp_path, capsys, deactivate_after):
     dump = tmp_path / "run"
     load = ["--checkpoint.enable", "true", "--checkpoint.load_step", "5"]

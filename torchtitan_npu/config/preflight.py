@@ -257,11 +257,26 @@ def _first_record(path: Path) -> Any:
 def check_checkpoint(config: dict[str, Any]) -> None:
     """A checkpoint to start from is loaded only with checkpointing on."""
     checkpoint = config.get("checkpoint", {})
-    if checkpoint.get("initial_load_path") and not checkpoint.get("enable"):
+    initial = checkpoint.get("initial_load_path")
+    if initial and not checkpoint.get("enable"):
         raise ConfigError(
             "checkpoint.initial_load_path is set but checkpoint.enable is false, "
             "so nothing would be loaded; add --checkpoint.enable true"
         )
+    hf = checkpoint.get("initial_load_in_hf")
+    if hf and initial and "://" not in initial:
+        if not any(Path(initial).glob("*.safetensors")):
+            dcp = (Path(initial) / ".metadata").is_file()
+            raise ConfigError(
+                f"checkpoint.initial_load_in_hf reads HF safetensors, and "
+                f"{initial} has none"
+                + (
+                    ": it is a DCP checkpoint; load it without "
+                    "--checkpoint.initial_load_in_hf"
+                    if dcp
+                    else "; point --checkpoint.initial_load_path at an HF model folder"
+                )
+            )
 
 
 def checkpoint_to_load(config: dict[str, Any]) -> tuple[Path, bool] | None:
@@ -338,7 +353,14 @@ def check_loadable(
     try:
         checkpoint = NativeCheckpoint(path)
     except ValueError as e:  # not a whole DCP checkpoint: one line
-        raise ConfigError(f"checkpoint to load: {e}") from None
+        hf = (
+            ""
+            if resume or not any(path.glob("*.safetensors"))
+            else (
+                ", or train from it as it is with --checkpoint.initial_load_in_hf true"
+            )
+        )
+        raise ConfigError(f"checkpoint to load: {e}{hf}") from None
     saved = native_era(checkpoint.model_layout)
     if saved is None or saved == era:
         _check_training_state(config, checkpoint, resume)
