@@ -93,6 +93,8 @@ BAD_INPUTS = [
         "training.dataset_path: dataset path /no/such/data does not exist",
     ),
     (["--training.dataset_path", "/no/such/data"], "training.dataset is 'embedded'"),
+    (["--training.dataset", "c4tst"], "'c4tst' is not a dataset upstream's loader"),
+    (["--training.dataset", "c4tst"], "(did you mean 'c4_test'?); it knows c4, "),
     (  # upstream's own debug TOML, run outside upstream's repository
         ["--training.dataset", "c4_test"],
         "training.dataset c4_test without a dataset_path reads upstream's "
@@ -204,16 +206,22 @@ def test_what_upstream_refuses_in_the_ranks_is_refused_before_launch(
         *((name, "debugmodel") for name in ("llama3", "qwen2", "qwen3", "qwen3_5")),
         *((name, "debugmodel") for name in ("deepseek_v3", "gpt_oss", "muse_glimmer")),
         ("kimi_k2_7", "kimi_k2_5_debugmodel"),
-        ("flux", "debugmodel"),  # no decoder: no vocabulary to check
+        ("flux", "debugmodel"),  # no decoder, and it trains on images
     ],
 )
 def test_every_upstream_model_passes_the_checks_before_launch(
     name, flavor, deactivate_after
 ):
-    from torchtitan_npu.config import preflight, resolve
+    from torchtitan_npu.config import ConfigError, preflight, resolve
 
     config = resolve(None, ["--model.name", name, "--model.flavor", flavor])
-    preflight.check(config, world_size=1, launch="--nproc-per-node 1")
+    if name != "flux":
+        preflight.check(config, world_size=1, launch="--nproc-per-node 1")
+        return
+    with pytest.raises(
+        ConfigError, match="'c4_test' \\(the embedded text corpus\\) is"
+    ):
+        preflight.check(config, world_size=1, launch="--nproc-per-node 1")
 
 
 @requires_era("trainspec")

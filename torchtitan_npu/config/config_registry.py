@@ -265,8 +265,18 @@ def check_runnable(job: Any, *, device_type: str, version: str) -> None:
     Every 0.3.x attention backend has a CPU path, so ``device_type`` adds
     nothing."""
     import copy
+    import inspect
+
+    from torchtitan_npu.config.preflight import check_dataset_name
 
     _validate_sections(copy.deepcopy(job), version)
+    loaders = [("training", job.dataloader)]
+    loaders += (
+        [("validation", job.validator.dataloader)] if job.validator.enable else []
+    )
+    for section, loader in loaders:
+        known = getattr(inspect.getmodule(type(loader)), "DATASETS", None)
+        check_dataset_name(section, getattr(loader, "dataset", None), known)
     parallelism, seq = job.parallelism, job.training.seq_len
     sp = parallelism.enable_sequence_parallel and parallelism.tensor_parallel_degree
     cp = parallelism.context_parallel_degree

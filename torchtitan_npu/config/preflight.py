@@ -220,6 +220,19 @@ def check_dataset(config: dict[str, Any]) -> None:
             _check_text_folder(Path(value), name, f"{section}.dataset_path {value}")
 
 
+def check_dataset_name(section: str, name: Any, known: Any) -> None:
+    """`name` is a dataset of upstream's loader registry `known` (the
+    ``DATASETS`` of the loader's module; None when it has none)."""
+    if isinstance(known, dict) and isinstance(name, str) and name not in known:
+        text = "c4_test" in known
+        embedded = " (the embedded text corpus)" if name == "c4_test" else ""
+        raise ConfigError(
+            f"{section}.dataset {name!r}{embedded} is not a dataset upstream's "
+            f"loader for this model knows{did_you_mean(name, known)}; it knows "
+            f"{', '.join(known)}" + (", and titan-npu 'embedded'" if text else "")
+        )
+
+
 def _check_text_folder(path: Path, name: str, what: str) -> None:
     reads = f"upstream's {name} loader reads a folder (HF datasets' load_dataset)"
     if path.is_file():

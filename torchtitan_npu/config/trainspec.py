@@ -151,9 +151,12 @@ def check_runnable(job: dict[str, Any], *, device_type: str, version: str) -> No
     model's parallelize asserts the sequence; attention fails on the heads
     with a shape error), context parallelism with FlexAttention before 0.2.2,
     and with SDPA on CPU (torch's CP has no rule for SDPA's CPU kernel)."""
+    import inspect
+
     # pyrefly: ignore[missing-import]  # 0.2.x only
     from torchtitan.protocols.train_spec import get_train_spec
 
+    from torchtitan_npu.config.preflight import check_dataset_name
     from torchtitan_npu.overlay.registry import release
 
     parallelism = job.get("parallelism", {})
@@ -161,15 +164,22 @@ def check_runnable(job: dict[str, Any], *, device_type: str, version: str) -> No
     cp = parallelism.get("context_parallel_degree", 1)
     model = job.get("model", {})
     name, flavor = model.get("name", "llama3"), model.get("flavor", "debugmodel")
-    flavors = get_train_spec(name).model_args
+    spec = get_train_spec(name)
+    flavors = spec.model_args
+    known = getattr(inspect.getmodule(spec.build_dataloader_fn), "DATASETS", None)
+    check_dataset_name("training", job.get("training", {}).get("dataset"), known)
     seq = job.get("training", {}).get("seq_len", 2048)
     validation = job.get("validation", {})
-    if validation.get("enable") and validation.get("seq_len", 2048) > seq:
-        raise ConfigError(
-            f"validation.seq_len {validation.get('seq_len', 2048)} is longer than "
-            f"training.seq_len {seq}, the longest sequence torchtitan {version}'s "
-            "model is built for; set --validation.seq_len to at most that"
-        )
+    if validation.get("enable"):
+        dataset = validation.get("dataset", "c4_validation")  # upstream's default
+        check_dataset_name("validation", dataset, known)
+        if validation.get("seq_len", 2048) > seq:
+            raise ConfigError(
+                f"validation.seq_len {validation.get('seq_len', 2048)} is longer "
+                f"than training.seq_len {seq}, the longest sequence torchtitan "
+                f"{version}'s model is built for; set --validation.seq_len to at "
+                "most that"
+            )
     if seq % (tp * 2 * cp):
         raise ConfigError(
             f"training.seq_len {seq} is not a multiple of tensor_parallel {tp} x 2 x "
