@@ -34,3 +34,16 @@ def test_corpus_is_english_prose_and_tokenizer_fits_the_debug_model(
     ids = tokenizer.encode("Return the value of the attribute.").ids
     assert tokenizer.decode(ids) == "Return the value of the attribute."
     assert len(ids) < 12  # merges learned real words
+
+
+def test_a_second_validation_build_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Two processes building the held-out set at once: one wins, the other's
+    staging folder is removed."""
+    monkeypatch.setenv("TITAN_NPU_CACHE", str(tmp_path))
+    assets = ensure_default_assets()
+    held_out = (assets.validation_path / "data.jsonl").read_bytes()
+    builder._build_validation(assets.root)  # as if it had lost the race
+    assert sorted(p.name for p in assets.root.iterdir()) == [
+        "dataset", "meta.json", "tokenizer", "validation",
+    ]  # fmt: skip
+    assert (assets.validation_path / "data.jsonl").read_bytes() == held_out

@@ -5,6 +5,7 @@ import importlib
 import inspect
 import json
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -170,7 +171,8 @@ def _build_validation(root: Path) -> None:
     (staging / "data.jsonl").write_text(lines)
     try:
         staging.rename(root / "validation")
-    except OSError:
+    except OSError:  # a concurrent builder won
+        shutil.rmtree(staging)
         if not (root / "validation" / "data.jsonl").exists():
             raise
 
