@@ -34,6 +34,8 @@ BAD_INPUTS = [
     (["--training.max_norm", "-1"], "training.max_norm = -1: must be above 0 (upst"),
     (["--training.max_norm", "0"], "0 zeroes every gradient, a negative norm flips"),
     (["--lr_scheduler.warmup_steps", "-1"], "warmup_steps = -1: must be at least 0"),
+    (["--validation.freq", "0"], "validation.freq = 0: must be at least 1"),
+    (["--validation.steps", "0"], "validation.steps = 0: must be at least 1, or -1"),
     (["--optimizer.name", "adamw"], "optimizer.name 'adamw' is not one torchtitan"),
     (["--optimizer.name", "adamw"], "(did you mean 'AdamW'?); it builds Adam, AdamW"),
     (["--checkpoint.keep_latest_k", "1"], "keep_latest_k = 1: upstream keeps 0 (all)"),
@@ -169,9 +171,9 @@ LATE_IN_THE_RANKS = [  # 0.3.x refuses these only after torchrun started
         "pipeline_parallel_microbatch_size must be greater than 0",
     ),
     (
-        ["--validation.enable", "true", "--validation.steps", "0"],
-        "train [validation] refused by torchtitan 0.3.0: validation steps must be "
-        "positive or -1",
+        ["--checkpoint.enable", "true", "--checkpoint.folder", ""],
+        "train [checkpoint] refused by torchtitan 0.3.0: The 'folder' field cannot "
+        "be empty",
     ),
 ]
 

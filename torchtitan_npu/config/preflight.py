@@ -76,6 +76,7 @@ _LEAST = {
     ("lr_scheduler", "warmup_steps"): 0,
     ("lr_scheduler", "decay_ratio"): 0,
     ("lr_scheduler", "min_lr_factor"): 0,
+    ("validation", "freq"): 1,
 }
 
 
@@ -92,6 +93,12 @@ def check_values(config: dict[str, Any]) -> None:
             f"training.max_norm = {max_norm}: must be above 0 (upstream always "
             "clips: 0 zeroes every gradient, a negative norm flips them); a large "
             "one (1e9) clips practically never"
+        )
+    steps = config.get("validation", {}).get("steps")
+    if isinstance(steps, int) and steps != -1 and steps < 1:
+        raise ConfigError(
+            f"validation.steps = {steps}: must be at least 1, or -1 (the whole "
+            "validation set)"
         )
     if config.get("checkpoint", {}).get("keep_latest_k") == 1:
         raise ConfigError(
