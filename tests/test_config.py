@@ -120,11 +120,6 @@ def test_config_registry_translation(upstream):
         ("profiling.enable_profilin", True, "'profiling.enable_profiling'"),
         ("model.flavor", "huge", "no flavor 'huge'"),
         ("model.name", "nonesuch", "unknown model 'nonesuch'"),
-        (
-            "activation_checkpoint.selective_ac_option",
-            2,
-            r"selective_ac_option 2 \(checkpoint every nth layer\) has no counterpart",
-        ),
     ],
 )
 def test_config_registry_rejects_what_it_cannot_honour(upstream, key, value, match):
@@ -136,6 +131,43 @@ def test_config_registry_rejects_what_it_cannot_honour(upstream, key, value, mat
     with pytest.raises(ConfigError, match=match) as info:
         translate(config, version=upstream.installed.version, device_type="cpu")
     assert "config_registry" in str(info.value)
+
+
+@requires_era("config_registry")
+@pytest.mark.parametrize(
+    "mode, option, wrapped",
+    [
+        ("selective", 2, [False, True, False, True]),  # 0.2.x's every-nth layer
+        ("selective", "0", [True] * 4),
+        ("selective", "op", None),  # 0.3's own per-op policy
+        ("full", 2, None),  # the option is for selective AC only, as on 0.2.x
+    ],
+)
+def test_selective_ac_option_keeps_its_0_2_meaning(upstream, mode, option, wrapped):
+    from torch import nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+    )
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    from torchtitan_npu.config.config_registry import translate
+    from torchtitan_npu.distributed.activation_checkpoint import LayerAC
+
+    config = load_toml(DEFAULT_CONFIG)
+    config["activation_checkpoint"] = {"mode": mode, "selective_ac_option": option}
+    ac = translate(
+        config, version=upstream.installed.version, device_type="cpu"
+    ).activation_checkpoint
+    if wrapped is None:
+        want = SelectiveAC.Config if mode == "selective" else FullAC.Config
+        assert type(ac) is want
+        return
+    assert isinstance(ac, LayerAC.Config)
+    model = nn.Module()
+    model.layers = nn.ModuleDict({str(i): nn.Linear(2, 2) for i in range(4)})
+    ac.build().apply(model)
+    got = [isinstance(block, CheckpointWrapper) for block in model.layers.values()]
+    assert got == wrapped
 
 
 def test_a_number_given_for_a_text_field_is_its_text():

@@ -35,6 +35,10 @@ BAD_INPUTS = [
     (["--training.max_norm", "0"], "0 zeroes every gradient, a negative norm flips"),
     (["--lr_scheduler.warmup_steps", "-1"], "warmup_steps = -1: must be at least 0"),
     (["--validation.freq", "0"], "validation.freq = 0: must be at least 1"),
+    (
+        ["--activation_checkpoint.selective_ac_option", "every2"],
+        "selective_ac_option = 'every2': 'op' (per-op selective AC) or a number N",
+    ),
     (["--validation.steps", "0"], "validation.steps = 0: must be at least 1, or -1"),
     (["--optimizer.name", "adamw"], "optimizer.name 'adamw' is not one torchtitan"),
     (["--optimizer.name", "adamw"], "(did you mean 'AdamW'?); it builds Adam, AdamW"),

@@ -41,6 +41,8 @@ OPTIMIZERS = ("Adam", "AdamW", "DistMuon")
 # project key -> Trainer.Config path
 _RENAMES = {
     "job.dump_folder": "dump_folder",
+    "job.print_config": "debug.print_config",
+    "parallelism.enable_async_tensor_parallel": "compile.enable_async_tensor_parallel",
     "model.hf_assets_path": "hf_assets_path",
     "training.dataset": "dataloader.dataset",
     "training.dataset_path": "dataloader.dataset_path",
@@ -218,6 +220,18 @@ def _activation_checkpoint(mode: str):
     return factory() if factory is not None else None
 
 
+def _layer_ac(ac_config: Any, option: Any) -> Any:
+    """0.2.x's ``selective_ac_option = N`` (every Nth block checkpointed
+    whole) for a selective AC config; other modes ignore it, as on 0.2.x."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from torchtitan_npu.distributed.activation_checkpoint import LayerAC
+
+    if not isinstance(ac_config, SelectiveAC.Config):
+        return ac_config
+    return LayerAC.Config(every=int(option))  # preflight.check_values: a number
+
+
 def _text_pipeline(trainer_config: Any, dataset: str | None) -> None:
     """A multimodal recipe (qwen3_5, kimi_k2_7) on a text dataset trains its
     language model: upstream's text dataloader and tokenizer replace the
@@ -350,11 +364,9 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
     if ac_mode is not None:
         trainer_config.activation_checkpoint = _activation_checkpoint(ac_mode)
     ac_option = flat.pop("activation_checkpoint.selective_ac_option", "op")
-    if ac_option != "op":  # 0.2.x's every-nth-layer selective AC
-        raise ConfigError(
-            f"activation_checkpoint.selective_ac_option {ac_option!r} (checkpoint "
-            f"every nth layer) has no counterpart in torchtitan {version} (era "
-            f"{ERA}), whose selective AC is per op ('op'); use 'op', or mode 'full'"
+    if ac_option != "op":
+        trainer_config.activation_checkpoint = _layer_ac(
+            trainer_config.activation_checkpoint, ac_option
         )
     for key, value in flat.items():
         if key in _HANDLED:

@@ -94,6 +94,12 @@ def check_values(config: dict[str, Any]) -> None:
             "clips: 0 zeroes every gradient, a negative norm flips them); a large "
             "one (1e9) clips practically never"
         )
+    option = config.get("activation_checkpoint", {}).get("selective_ac_option", "op")
+    if option != "op" and not str(option).lstrip("-").isdigit():
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option = {option!r}: 'op' (per-op "
+            "selective AC) or a number N (every Nth layer checkpointed whole)"
+        )
     steps = config.get("validation", {}).get("steps")
     if isinstance(steps, int) and steps != -1 and steps < 1:
         raise ConfigError(

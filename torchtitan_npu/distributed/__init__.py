@@ -1,4 +1,5 @@
-"""Device and backend selection: npu (hccl) > cuda (nccl) > cpu (gloo)."""
+"""Device and backend selection: npu (hccl) > cuda (nccl) > cpu (gloo); and
+(activation_checkpoint.py, 0.3.x only) 0.2.x's per-layer selective AC."""
 
 from torchtitan_npu.distributed.device import (
     DEVICE_ENV,

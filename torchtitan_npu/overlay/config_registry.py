@@ -152,6 +152,27 @@ def _architecture_builder(model: str, name: str) -> Patch:
     )
 
 
+# distributed/activation_checkpoint.py's LayerAC (0.2.x's per-layer selective
+# AC) subclasses FullAC; ActivationCheckpointing.apply wraps each block in turn.
+LAYER_AC = [
+    Patch(
+        name=f"layer_ac_{name}",
+        target=f"torchtitan.distributed.activation_checkpoint:{name}",
+        kind="depend",
+        reason=(
+            "a train config's selective_ac_option N (every Nth layer checkpointed "
+            "whole, 0.2.x) is LayerAC: FullAC's wrapper on every Nth block that "
+            "ActivationCheckpointing.apply hands to _wrap_block"
+        ),
+        eras=(Era.CONFIG_REGISTRY,),
+        upstream_ref="none upstream: 0.3 checkpoints selectively per op only",
+        remove_when="upstream checkpoints every Nth layer again",
+        apply=no_change,
+    )
+    for name in ("ActivationCheckpointing", "FullAC")
+]
+
+
 # What the derived (``hf``) flavors of state_dict_adapters/<model>.py call.
 ARCHITECTURE_BUILDERS = [
     _architecture_builder("llama3", "_build_llama3_layers"),
@@ -450,6 +471,7 @@ PATCHES = [
     *FLA_CALL_SITES,
     *HF_ADAPTERS,
     *ARCHITECTURE_BUILDERS,
+    *LAYER_AC,
     *PLAN_ROUTING,
     PLAN_VARLEN_METADATA,
 ]
