@@ -304,6 +304,16 @@ def test_a_dataset_upstream_cannot_read_is_refused_before_launch(
     _refused_before_launch(args, problem, tmp_path, capsys)
 
 
+def test_a_validation_set_is_checked_only_when_validation_runs():
+    from torchtitan_npu.config import ConfigError, preflight
+
+    validation = {"dataset": "c4_test"}  # upstream's path: not in this folder
+    preflight.check_dataset({"validation": validation})
+    validation["enable"] = True
+    with pytest.raises(ConfigError, match="validation.dataset c4_test without a"):
+        preflight.check_dataset({"validation": validation})
+
+
 def _refused_before_launch(args, problem, tmp_path, capsys):
     dump = tmp_path / "run"
     code = main(["train", "--job.dump_folder", str(dump), *args])

@@ -221,6 +221,8 @@ def check_dataset(config: dict[str, Any]) -> None:
     load or first sample)."""
     for section in ("training", "validation"):
         data = config.get(section, {})
+        if section == "validation" and not data.get("enable"):
+            continue  # not read
         name, value = data.get("dataset"), data.get("dataset_path")
         if name == "c4_test" and not value and not Path(_C4_TEST).is_dir():
             raise ConfigError(
