@@ -283,7 +283,8 @@ def check_runnable(job: Any, *, device_type: str, version: str) -> None:
 
     from torchtitan_npu.config.preflight import check_dataset_name
 
-    _validate_sections(copy.deepcopy(job), version)
+    config = copy.deepcopy(job)  # upstream's checks below may change what they read
+    _validate_sections(config, version)
     loaders = [("training", job.dataloader)]
     loaders += (
         [("validation", job.validator.dataloader)] if job.validator.enable else []
@@ -307,7 +308,6 @@ def check_runnable(job: Any, *, device_type: str, version: str) -> None:
     spec = job.model_spec
     vocab = spec.model.vocab_size if isinstance(spec.model, Decoder.Config) else None
     hf_model.check_tokenizer(job.hf_assets_path, vocab, f"{spec.name} {spec.flavor}")
-    config = copy.deepcopy(job)
     model = config.model_spec.model
     try:
         model.update_from_config(config=config)
