@@ -2,6 +2,9 @@
 
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from torchtitan_npu.cli import build_parser, shown_local_rank, torchrun_args
 
@@ -87,3 +90,58 @@ def test_version_names_upstream_lock_entry_torch_and_device(upstream):
     assert lines["torchtitan"].startswith(f"{entry.version} (upstream.lock: tested")
     assert f"commit {entry.commit}" in lines["torchtitan"]
     assert lines["device"].split()[0] in ("npu", "cuda", "cpu")
+
+
+def test_an_internal_error_keeps_its_traceback_and_is_reported(
+    capsys, monkeypatch, tmp_path
+):
+    """A ValueError titan-npu did not mean for the user is a bug: its
+    traceback, one last line naming a report file, exit 1."""
+    from torchtitan_npu.cli import main
+    from torchtitan_npu.tools import doctor
+
+    def broken() -> int:
+        raise ValueError("a bug in titan-npu")
+
+    monkeypatch.setenv("TITAN_NPU_CACHE", str(tmp_path))
+    monkeypatch.setattr(doctor, "run", broken)
+    assert main(["doctor"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert 'raise ValueError("a bug in titan-npu")' in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("titan-npu: internal error in titan-npu ")
+    assert "ValueError: a bug in titan-npu -- please report it with " in last
+    report = Path(last.rsplit(" ", 1)[1])
+    assert report.parent == tmp_path / "error-reports"
+    assert "a bug in titan-npu" in report.read_text()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "--training.steps", "2"],
+        ["plan"],
+        ["convert", "from-hf", "hf", "out"],
+        ["checkpoint", "inspect", "ckpt"],
+        ["models"],
+    ],
+    ids=lambda c: c[0],
+)
+def test_an_untested_upstream_is_one_line_before_anything_starts(
+    command, capsys, monkeypatch, tmp_path
+):
+    from torchtitan_npu import compat
+    from torchtitan_npu.cli import main
+
+    monkeypatch.delenv(compat.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(
+        compat, "installed_upstream", lambda: compat.InstalledUpstream("9.9.9", None)
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("titan-npu: error: torchtitan 9.9.9 is not a tested ")
+    assert compat.ALLOW_UNTESTED_ENV in err
+    assert list(tmp_path.iterdir()) == []  # nothing launched, nothing written

@@ -105,5 +105,5 @@ def test_lock_round_trips_and_rejects_two_defaults(tmp_path):
     write_lock(entries, path)
     assert read_lock(path) == entries
     two_defaults = [dataclasses.replace(e, default=True) for e in entries]
-    with pytest.raises(ValueError, match="exactly one default"):
+    with pytest.raises(LockError, match="exactly one default"):
         write_lock(two_defaults, path)

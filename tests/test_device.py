@@ -18,6 +18,7 @@ from torchtitan_npu.distributed import (
     select_device_type,
 )
 from torchtitan_npu.distributed.device import torch_npu_installed
+from torchtitan_npu.errors import DeviceError
 
 
 @pytest.fixture
@@ -85,11 +86,11 @@ def test_device_selection_and_backends(monkeypatch):
     monkeypatch.setenv(DEVICE_ENV, "cpu")
     assert select_device_type() == "cpu"
     assert [backend_for(d) for d in ("npu", "cuda", "cpu")] == ["hccl", "nccl", "gloo"]
-    with pytest.raises(ValueError, match="unknown device type 'tpu'"):
+    with pytest.raises(DeviceError, match="unknown device type 'tpu'"):
         select_device_type("tpu")
     if not hasattr(torch, "npu"):
         with pytest.raises(
-            ValueError,
+            DeviceError,
             match=f"'npu' was requested but is absent .* --device {expected}",
         ):
             select_device_type("npu")

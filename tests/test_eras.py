@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan_npu.compat.era import Era, era_module, parse_era
+from torchtitan_npu.errors import LockError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "torchtitan_npu"
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
@@ -94,7 +95,7 @@ def test_the_running_eras_modules_load(upstream):
 
 
 def test_an_unknown_era_is_one_line():
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(LockError) as info:
         parse_era("trainspec2")
     assert str(info.value) == (
         "unknown upstream API era 'trainspec2'; known: ['trainspec', 'config_registry']"

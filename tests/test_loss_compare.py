@@ -5,6 +5,7 @@ from argparse import Namespace
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
+from torchtitan_npu.errors import UsageError
 from torchtitan_npu.tools.loss_compare import main, parse_steps
 from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS, read_scalars
 
@@ -49,10 +50,10 @@ def test_step_range_limits_the_comparison(tmp_path, capsys):
 
 @pytest.mark.parametrize("text", ["5-2", "0-3", "a-b", "-3"])
 def test_bad_step_range_is_an_error(text):
-    with pytest.raises(ValueError, match="--steps"):
+    with pytest.raises(UsageError, match="--steps"):
         parse_steps(text)
 
 
 def test_missing_run_is_an_error(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(UsageError, match="does not exist"):
         compare(tmp_path / "nope", tmp_path / "nope")

@@ -5,7 +5,6 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "torchtitan_npu"
-LEAVES = ("errors.py", "compat/era.py")
 
 
 def module_imports(path: Path) -> set[str]:
@@ -55,8 +54,9 @@ def test_no_import_cycles_between_packages():
 
 
 def test_errors_and_eras_are_leaves():
-    for leaf in LEAVES:
-        assert module_imports(PACKAGE / leaf) == set(), leaf
+    """errors.py imports nothing of titan-npu; era.py nothing but errors."""
+    assert module_imports(PACKAGE / "errors.py") == set()
+    assert module_imports(PACKAGE / "compat/era.py") <= {"torchtitan_npu.errors"}
 
 
 def test_every_user_error_lives_in_errors():
@@ -69,6 +69,55 @@ def test_every_user_error_lives_in_errors():
         and (node.name.endswith("Error") or node.name == "UpstreamNotInstalled")
     }
     assert defined and all(name.startswith("errors.py:") for name in defined), defined
+
+
+def test_every_error_class_is_a_user_error():
+    from torchtitan_npu import errors
+
+    classes = [
+        value
+        for value in vars(errors).values()
+        if isinstance(value, type) and issubclass(value, BaseException)
+    ]
+    assert errors.UserError in classes
+    assert {c for c in classes if not issubclass(c, errors.UserError)} == {
+        errors.Interrupted  # a signal, reported by the command it stopped
+    }
+
+
+# The only built-in exceptions titan-npu raises on purpose: programmer
+# invariants, never a user's doing (a user's is a UserError).
+INTERNAL_RAISES = {
+    "converters/registry.py": "a converter registered twice",
+    "overlay/trainspec.py": "a TrainSpec or model converter registered twice",
+    "overlay/fla_standin.py": "a causal_conv1d activation upstream never passes",
+    "plan/pipeline.py": "a pipeline stage simulated before the one feeding it",
+    "cli.py": "plan --measure's own torchrun failing (its stderr is the report)",
+    "overlay/registry.py": "a target lookup (made a PatchTargetError by its caller)"
+    " and a record changing an attribute it did not declare new",
+    "state_dict_adapters/safetensors_io.py": "a writer fed out of its planned order",
+}
+
+
+def test_deliberate_raises_are_user_errors():
+    """A built-in exception (ValueError, OSError...) raised in titan-npu is shown as a
+    bug (its traceback); one meant for the user must be a UserError."""
+    import builtins
+
+    built_in = {
+        name
+        for name, value in vars(builtins).items()
+        if isinstance(value, type) and issubclass(value, Exception)
+    } - {"NotImplementedError", "StopIteration"}  # abstract methods, iterators
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Raise) or node.exc is None:
+                continue
+            call = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(call, ast.Name) and call.id in built_in:
+                found.add(str(path.relative_to(PACKAGE)))
+    assert found == set(INTERNAL_RAISES), found - set(INTERNAL_RAISES)
 
 
 def test_public_functions_are_annotated():

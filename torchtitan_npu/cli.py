@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from torchtitan_npu.errors import CLI_ERRORS
+from torchtitan_npu.errors import UsageError, UserError
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -199,7 +199,7 @@ def _measure(config: dict, args: argparse.Namespace) -> list[dict]:
     import tempfile
 
     if args.nnodes != "1":
-        raise ValueError("--measure runs on this machine: --nnodes 1")
+        raise UsageError("--measure runs on this machine: --nnodes 1")
     with tempfile.TemporaryDirectory(prefix="titan-npu-measure-") as tmp:
         config_file = Path(tmp) / "config.json"
         config_file.write_text(json.dumps(config))
@@ -431,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show torchrun's own output and tracebacks (always in the log file)",
     )
-    train.set_defaults(handler=_train)
+    train.set_defaults(handler=_train, needs_upstream=True)
 
     convert = commands.add_parser(
         "convert", help="HF safetensors <-> native (DCP) checkpoints"
@@ -476,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
                 help="config.json (or HF directory) the checkpoint's architecture "
                 "was derived from (found by itself for from-hf and hf runs)",
             )
-        sub.set_defaults(handler=_convert)
+        sub.set_defaults(handler=_convert, needs_upstream=True)
 
     checkpoint = commands.add_parser("checkpoint", help="native (DCP) checkpoints")
     checkpoint_commands = checkpoint.add_subparsers(
@@ -487,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="era, model, step, layout, sizes and training state, from metadata",
     )
     inspect.add_argument("path", metavar="DIR", help="a DCP checkpoint directory")
-    inspect.set_defaults(handler=_checkpoint_inspect)
+    inspect.set_defaults(handler=_checkpoint_inspect, needs_upstream=True)
     migrate = checkpoint_commands.add_parser(
         "migrate",
         help="a checkpoint of one upstream version in another's names",
@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument(
         "--to", required=True, metavar="VERSION", help="the installed upstream's"
     )
-    migrate.set_defaults(handler=_checkpoint_migrate)
+    migrate.set_defaults(handler=_checkpoint_migrate, needs_upstream=True)
 
     plan = commands.add_parser(
         "plan",
@@ -546,13 +546,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="step every layer (slower) instead of extending a deep model's "
         "repeated layers on a line from a few of them",
     )
-    plan.set_defaults(handler=_plan)
+    plan.set_defaults(handler=_plan, needs_upstream=True)
 
     doctor = commands.add_parser("doctor", help="versions, device, patch table")
     doctor.set_defaults(handler=_doctor)
     commands.add_parser(
         "models", help="models and flavors of the installed upstream, with sizes"
-    ).set_defaults(handler=_models)
+    ).set_defaults(handler=_models, needs_upstream=True)
 
     compat = commands.add_parser("compat", help="upstream.lock tools")
     compat_commands = compat.add_subparsers(dest="compat_command", required=True)
@@ -597,10 +597,49 @@ def main(argv: list[str] | None = None) -> int:
 
             print(version_report())
             return 0
+        if getattr(args, "needs_upstream", False):  # untested: one line, at once
+            from torchtitan_npu.compat import resolve_upstream
+
+            resolve_upstream()
         return args.handler(args, rest)
-    except CLI_ERRORS as e:  # ConfigError and other user-facing errors
+    except UserError as e:
         print(f"titan-npu: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a bug: its traceback, kept in a file to report
+        report = internal_error_report(args.command or "--version")
+        print(
+            f"titan-npu: internal error in titan-npu {_version()}: "
+            f"{type(e).__name__}: {e} -- please report it with {report}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _version() -> str:
+    from torchtitan_npu import __version__
+
+    return __version__
+
+
+def internal_error_report(command: str) -> Path:
+    """Print the exception being handled and write it, with the command line
+    and the versions, to a new file in titan-npu's cache folder; its path."""
+    import platform
+    import traceback
+
+    from torchtitan_npu.assets.builder import cache_base
+
+    text = traceback.format_exc()
+    sys.stderr.write(text)
+    folder = cache_base() / "error-reports"
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = folder / f"{command.replace(' ', '-')}-{stamp}-{os.getpid()}.txt"
+    path.write_text(
+        f"titan-npu {_version()}, Python {platform.python_version()}, "
+        f"{platform.platform()}\ncommand: {' '.join(sys.argv)}\n\n{text}"
+    )
+    return path
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def run_upstream() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from torchtitan_npu.errors import UserError
     from torchtitan_npu.launcher import die_with_parent, record_failure
     from torchtitan_npu.tools.log_noise import quiet_upstream_noise
 
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> None:
     quiet_upstream_noise()
     try:
         _main(argv)
+    except UserError as e:  # a clear message, not a traceback per rank
+        record_failure(e)
+        print(f"titan-npu: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     except BaseException as e:
         record_failure(e)  # for the launcher's one-line summary
         raise
@@ -72,17 +77,11 @@ def _main(argv: list[str] | None) -> None:
     with open(argv[0]) as f:
         config = json.load(f)
 
-    from torchtitan_npu.errors import RANK_ERRORS
-
     fd, job_file = tempfile.mkstemp(prefix="titan-npu-job-")
     os.close(fd)
     try:
-        try:
-            prepare_upstream(job_file)
-            hand_over(config, job_file)
-        except RANK_ERRORS as e:  # a clear message, not a traceback per rank
-            print(f"titan-npu: error: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+        prepare_upstream(job_file)
+        hand_over(config, job_file)
         run_upstream()
     finally:
         os.unlink(job_file)

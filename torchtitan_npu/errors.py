@@ -1,10 +1,16 @@
 """Every error a user can cause, in one leaf module (it imports nothing of
-titan-npu). The CLI and each rank print one as one line, exit 2."""
+titan-npu). Each is a ``UserError``: the CLI and each rank print it as one
+line, exit 2. Any other exception is a bug in titan-npu (or below it) and
+keeps its traceback (``cli.main``)."""
 
 from collections.abc import Iterable
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """Something the user can fix: shown as one line that names it, exit 2."""
+
+
+class ConfigError(UserError):
     """A train config the running upstream cannot honour."""
 
 
@@ -12,36 +18,44 @@ class ConverterError(ConfigError):
     """An unknown converter, or one the model or layout cannot take."""
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError):
     """A launch that cannot start (bad process counts, a busy dump folder)."""
 
 
-class LockError(ValueError):
+class LockError(UserError):
     """upstream.lock is missing, unreadable or malformed."""
 
 
-class PatchTargetError(ValueError):
+class PatchTargetError(UserError):
     """A patch target is missing or changed in the installed upstream."""
 
 
-class UntestedUpstreamError(RuntimeError):
+class UntestedUpstreamError(UserError):
     """The installed torchtitan has no upstream.lock entry."""
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """A memory plan that cannot be made: a bad memory size, an unknown
     device, a layout the planner cannot simulate."""
 
 
-class UpstreamNotInstalled(ImportError):
+class UpstreamNotInstalled(UserError):
     """torchtitan is not installed."""
 
 
-class TorchNpuLoadError(ImportError):
+class TorchNpuLoadError(UserError):
     """torch_npu is installed but cannot be loaded (usually: no Ascend CANN)."""
 
 
-class ConversionError(ValueError):
+class DeviceError(UserError):
+    """A device type that is unknown or absent on this machine."""
+
+
+class UsageError(UserError):
+    """A command-line value a command cannot take (not a train config's)."""
+
+
+class ConversionError(UserError):
     """Everything wrong with one conversion, found together; the message is
     one line (the first problems and how many more), ``problems`` all."""
 
@@ -64,10 +78,3 @@ class Interrupted(Exception):
 
         self.signum = signum
         super().__init__(f"{what} stopped by {signal.Signals(signum).name}")
-
-
-# What a rank reports as one line before training starts.
-RANK_ERRORS = (ConfigError, UntestedUpstreamError, PatchTargetError, TorchNpuLoadError)
-# What the CLI reports as one line: every ValueError above, and a torch_npu
-# that cannot load.
-CLI_ERRORS = (ValueError, TorchNpuLoadError)

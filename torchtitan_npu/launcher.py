@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan_npu import interrupts
-from torchtitan_npu.errors import LaunchError
+from torchtitan_npu.errors import LaunchError, UserError
 
 RUN_DIR_ENV = "TITAN_NPU_RUN_DIR"  # where ranks record their failures
 RANKS_DIR = "ranks"  # under the run folder: the hidden local ranks' output
@@ -236,6 +236,8 @@ def record_failure(exc: BaseException) -> None:
         if exc.code in (0, None):
             return
         message, code = str(exc.code), exc.code if isinstance(exc.code, int) else 1
+    elif isinstance(exc, UserError):
+        message, code = str(exc), 2
     else:
         message, code = f"{type(exc).__name__}: {exc}", 1
     rank = os.environ.get("RANK", "?")

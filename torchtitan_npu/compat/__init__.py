@@ -68,10 +68,10 @@ def resolve_upstream(
     tested = ", ".join(f"{e.version} ({e.era}, torch {e.torch})" for e in entries)
     what = installed.version + (f" @ {installed.commit}" if installed.commit else "")
     raise UntestedUpstreamError(
-        f"torchtitan {what} is not a tested upstream of titan-npu.\n"
-        f"Tested upstreams ({lock_path()}): {tested}.\n"
-        f"Install one of them, or set {ALLOW_UNTESTED_ENV}=1 to run anyway: the "
-        "era is then feature-detected and every patch-target drift is a warning."
+        f"torchtitan {what} is not a tested upstream of titan-npu (tested, in "
+        f"{lock_path()}: {tested}); install one of them, or set "
+        f"{ALLOW_UNTESTED_ENV}=1 to run anyway (the era is then feature-detected "
+        "and every patch-target drift is a warning)"
     )
 
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 
 from torchtitan_npu.compat.era import Era
-from torchtitan_npu.errors import UpstreamNotInstalled
+from torchtitan_npu.errors import UntestedUpstreamError, UpstreamNotInstalled
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ def detect_era() -> Era:
         return Era.CONFIG_REGISTRY
     if importlib.util.find_spec("torchtitan.protocols.train_spec") is not None:
         return Era.TRAINSPEC
-    raise ValueError(
+    raise UntestedUpstreamError(
         "cannot tell the API era of the installed torchtitan: it has neither "
         "torchtitan.protocols.model_spec (0.3.x) nor train_spec (0.2.x)"
     )

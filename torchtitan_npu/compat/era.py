@@ -10,6 +10,8 @@ import importlib
 from enum import StrEnum
 from types import ModuleType
 
+from torchtitan_npu.errors import LockError
+
 
 class Era(StrEnum):
     TRAINSPEC = "trainspec"  # torchtitan 0.2.x
@@ -27,14 +29,12 @@ _DESCRIPTIONS = {
 
 
 def parse_era(value: str) -> Era:
-    """``value`` as an Era; ValueError naming the known ones."""
+    """``value`` as an Era; a LockError naming the known ones."""
     try:
         return Era(value)
     except ValueError:
         known = [e.value for e in Era]
-        raise ValueError(
-            f"unknown upstream API era {value!r}; known: {known}"
-        ) from None
+        raise LockError(f"unknown upstream API era {value!r}; known: {known}") from None
 
 
 def era_module(package: str, era: Era) -> ModuleType:

@@ -16,6 +16,7 @@ from typing import Any
 
 from torchtitan_npu.config import hf_model
 from torchtitan_npu.config.schema import ConfigError, did_you_mean
+from torchtitan_npu.errors import ConversionError
 
 # [parallelism] key -> upstream's default (-1: "the rest of the processes")
 _DEGREES = {
@@ -380,7 +381,7 @@ def check_loadable(
 
     try:
         checkpoint = NativeCheckpoint(path)
-    except ValueError as e:  # not a whole DCP checkpoint: one line
+    except ConversionError as e:  # not a whole DCP checkpoint: one line
         hf = (
             ""
             if resume or not any(path.glob("*.safetensors"))

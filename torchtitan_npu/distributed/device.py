@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping, MutableMapping
 from types import ModuleType
 
-from torchtitan_npu.errors import TorchNpuLoadError
+from torchtitan_npu.errors import DeviceError, TorchNpuLoadError
 
 DEVICE_ENV = "TITAN_NPU_DEVICE"  # force "npu", "cuda" or "cpu"
 DEVICE_TYPES = ("npu", "cuda", "cpu")
@@ -92,12 +92,12 @@ def select_device_type(requested: str | None = None) -> str:
     }
     if requested is not None:
         if requested not in DEVICE_TYPES:
-            raise ValueError(
+            raise DeviceError(
                 f"unknown device type {requested!r}; choose one of {DEVICE_TYPES}"
             )
         if not available[requested]:
             found = next(d for d in DEVICE_TYPES if available[d])
-            raise ValueError(
+            raise DeviceError(
                 f"device type {requested!r} was requested but is absent "
                 f"(from --device or {DEVICE_ENV}); this machine has {found!r}: "
                 f"pass --device {found} or leave the choice to titan-npu"

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from torchtitan_npu.errors import UsageError
 from torchtitan_npu.state_dict_adapters import direct_io
 from torchtitan_npu.state_dict_adapters.mapping import ConversionError, TensorInfo
 
@@ -148,7 +149,7 @@ def parse_size(text: str) -> int:
     """'5GB' -> 5 * 10**9 (also KB/MB/GiB/MiB/bytes), like HF's max_shard_size."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
     if not m:
-        raise ValueError(f"bad size {text!r}; use e.g. 5GB, 500MB, 2GiB")
+        raise UsageError(f"bad size {text!r}; use e.g. 5GB, 500MB, 2GiB")
     number, unit = float(m.group(1)), (m.group(2) or "B").upper()
     power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
     base = 1024 if "I" in unit else 1000

@@ -63,16 +63,16 @@ def upstream_line() -> str:
 def device_line() -> str:
     """The device titan-npu would train on here, and its collective backend."""
     from torchtitan_npu.distributed import (
-        TorchNpuLoadError,
         backend_for,
         load_torch_npu,
         select_device_type,
     )
+    from torchtitan_npu.errors import DeviceError, TorchNpuLoadError
 
     try:
         load_torch_npu()
         device = select_device_type()
-    except (TorchNpuLoadError, ValueError) as e:
+    except (TorchNpuLoadError, DeviceError) as e:
         return f"unavailable: {str(e).splitlines()[0]}"
     return f"{device} ({backend_for(device)})"
 

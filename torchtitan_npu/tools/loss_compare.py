@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchtitan_npu.errors import UsageError
 from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS, read_scalars
 
 TAGS = (LOSS, GRAD_NORM)
@@ -91,7 +92,7 @@ def plot_runs(runs: dict[str, str | Path], out: str | Path, *, title: str = "") 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ValueError("plotting needs matplotlib: uv pip install matplotlib") from e
+        raise UsageError("plotting needs matplotlib: uv pip install matplotlib") from e
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, run in runs.items():
         scalars = read_scalars(run, TAGS)
@@ -124,7 +125,7 @@ def parse_steps(text: str | None) -> list[int] | None:
     except ValueError:
         low, high = 0, -1
     if not 1 <= low <= high:
-        raise ValueError(
+        raise UsageError(
             f"--steps {text!r}: expected A-B with 1 <= A <= B, or one step"
         )
     return list(range(low, high + 1))
@@ -132,12 +133,9 @@ def parse_steps(text: str | None) -> list[int] | None:
 
 def main(args: argparse.Namespace) -> int:
     steps = parse_steps(args.steps)
-    try:
-        comparisons = compare_runs(
-            args.run_a, args.run_b, rtol=args.rtol, atol=args.atol, steps=steps
-        )
-    except (FileNotFoundError, KeyError) as e:
-        raise ValueError(str(e).strip("'\"")) from None
+    comparisons = compare_runs(
+        args.run_a, args.run_b, rtol=args.rtol, atol=args.atol, steps=steps
+    )
     mode = "bitwise" if args.rtol == 0 and args.atol == 0 else "tolerance"
     span = f", steps {args.steps}" if steps else ""
     print(

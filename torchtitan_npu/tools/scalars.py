@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+from torchtitan_npu.errors import UsageError
+
 LOSS = "loss_metrics/global_avg_loss"
 GRAD_NORM = "grad_norm"
 
@@ -16,7 +18,7 @@ def tensorboard_dirs(run: str | Path) -> list[Path]:
     """
     run = Path(run)
     if not run.exists():
-        raise FileNotFoundError(f"{run} does not exist")
+        raise UsageError(f"{run} does not exist")
     if any(run.glob("events.out.tfevents.*")):
         return [run]
     folders = {
@@ -25,7 +27,7 @@ def tensorboard_dirs(run: str | Path) -> list[Path]:
         if not re.fullmatch(r"rank_[1-9]\d*", p.parent.name)
     }
     if not folders:
-        raise FileNotFoundError(f"no TensorBoard events under {run} (or {run}/tb/)")
+        raise UsageError(f"no TensorBoard events under {run} (or {run}/tb/)")
     return sorted(folders)
 
 
@@ -49,5 +51,5 @@ def read_scalars(
             merged[tag].update((e.step, e.value) for e in accumulator.Scalars(tag))
     missing = [t for t in tags if t not in present]
     if missing:
-        raise KeyError(f"{run}: no scalars {missing}; present: {sorted(present)}")
+        raise UsageError(f"{run}: no scalars {missing}; present: {sorted(present)}")
     return merged

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from torchtitan_npu.compat import Era, UpstreamEntry, read_lock
+from torchtitan_npu.errors import UsageError
 from torchtitan_npu.tools.table import format_markdown_table
 
 
@@ -58,7 +59,7 @@ def docs_dir() -> Path:
     """docs/ of the source checkout this package runs from (not of an install)."""
     root = Path(__file__).resolve().parents[2]
     if not (root / "pyproject.toml").is_file() or not (root / "docs").is_dir():
-        raise ValueError(
+        raise UsageError(
             "the generated docs live in a source checkout of titan-npu; this is an "
             f"installed package ({root}): run the command from a checkout"
         )

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from torchtitan_npu.errors import ConfigError
 from torchtitan_npu.models.qwen2.model import Qwen2Model
 
 
@@ -69,9 +70,9 @@ def plan_for(
     from torchtitan.config import TORCH_DTYPE_MAP
 
     if parallel_dims.cp_enabled:
-        raise ValueError("qwen2: context parallelism is not supported")
+        raise ConfigError("qwen2: context parallelism is not supported")
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
-        raise ValueError("qwen2: use FSDP2 / HSDP (data_parallel_shard_degree > 1)")
+        raise ConfigError("qwen2: use FSDP2 / HSDP (data_parallel_shard_degree > 1)")
     plan = Plan(
         ac_mode=ac_mode,
         compile=compile,
@@ -165,7 +166,9 @@ def _save_matmuls(ctx, op, *args, **kwargs):
 
 def apply_ac(model: Qwen2Model, mode: str) -> None:
     if mode not in ("full", "selective"):
-        raise ValueError(f"qwen2: activation checkpoint mode {mode!r} is not supported")
+        raise ConfigError(
+            f"qwen2: activation checkpoint mode {mode!r} is not supported"
+        )
     kwargs: dict[str, Any] = {"preserve_rng_state": False}
     if mode == "selective":
         kwargs["context_fn"] = partial(
