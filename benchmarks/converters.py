@@ -28,8 +28,8 @@ import torch
 from torchtitan_npu import converters
 from torchtitan_npu.bootstrap import activate
 from torchtitan_npu.overlay import OVERLAY
+from torchtitan_npu.reporting.table import format_markdown_table
 from torchtitan_npu.state_dict_adapters import upstream_models as um
-from torchtitan_npu.tools.table import format_markdown_table
 
 
 def build(spec: str, names: list[str], era: str, device_type: str):

@@ -2,6 +2,7 @@
 the overlay itself (the bootstrap hook is off); e2e runs train in subprocesses."""
 
 import os
+import subprocess
 
 os.environ["TITAN_NPU_NO_BOOTSTRAP"] = "1"
 
@@ -35,6 +36,30 @@ def pytest_collection_modifyitems(config, items):
     if len(kept) != len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in kept])
         items[:] = kept
+
+
+# What starts a distributed run from a test's own process.
+_LAUNCHES = ("torch.distributed.run", "torchrun", "torchtitan_npu.entry")
+
+
+@pytest.fixture(autouse=True)
+def _launches_need_the_e2e_marker(request, monkeypatch):
+    """A test that starts torchrun or elastic_launch is marked ``e2e`` (or
+    ``matrix``): `nox -s quick` leaves those out and must stay fast."""
+    node = request.node
+    if node.get_closest_marker("e2e") or node.get_closest_marker("matrix"):
+        return
+    if "launcher" in request.fixturenames:
+        pytest.fail(f"{node.nodeid} starts runs (launcher) without @pytest.mark.e2e")
+    start = subprocess.Popen.__init__
+
+    def guarded(self, args, *rest, **kwargs):
+        words = [str(a) for a in args] if isinstance(args, list | tuple) else [args]
+        if any(launch in word for word in words for launch in _LAUNCHES):
+            pytest.fail(f"{node.nodeid} starts torchrun without @pytest.mark.e2e")
+        start(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The PyTorch-native gated delta rule (overlay/gated_delta.py): the chunked
+"""The PyTorch-native gated delta rule (kernels/gated_delta.py): the chunked
 form equals the token-by-token recurrence, values and gradients, with and
 without packed documents."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan_npu.overlay import gated_delta
+from torchtitan_npu.kernels import gated_delta
 
 B, T, H, K, V = 2, 150, 3, 16, 8  # T: two full chunks of 64 and a partial one
 
@@ -76,14 +76,14 @@ def test_outputs_take_the_values_dtype():
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
 
 
-# The fla stand-in (overlay/fla_standin.py): what upstream's Qwen3.5 imports
+# The fla stand-in (kernels/fla_standin.py): what upstream's Qwen3.5 imports
 # when flash-linear-attention is not installed.
 
 
 def test_standin_kernels_recompute_what_autograd_would_keep():
     """The stand-in's autograd Functions keep only their inputs and recompute
     in backward: same outputs and gradients as autograd through the rule."""
-    from torchtitan_npu.overlay import fla_standin
+    from torchtitan_npu.kernels import fla_standin
 
     xs = inputs()
     want, _ = gated_delta.chunked(*xs, **NORM)
@@ -98,7 +98,7 @@ def test_standin_kernels_recompute_what_autograd_would_keep():
 def test_standin_serves_grouped_value_heads_as_fla_does():
     """fla (and transformers 5's Qwen3.5, which calls it so) takes fewer q/k
     heads than value heads: each q/k head serves consecutive value heads."""
-    from torchtitan_npu.overlay import fla_standin
+    from torchtitan_npu.kernels import fla_standin
 
     q, k, v, g, beta = inputs()
     wide = [torch.cat([x, x.flip(-1)], dim=2).detach() for x in (v, g, beta)]
@@ -111,7 +111,7 @@ def test_standin_serves_grouped_value_heads_as_fla_does():
 def test_standin_causal_conv_restarts_at_each_document():
     """fla's varlen causal conv: upstream's own fixed-length depthwise conv
     (pad left, conv1d, silu) run on each packed document alone."""
-    from torchtitan_npu.overlay import fla_standin
+    from torchtitan_npu.kernels import fla_standin
 
     torch.manual_seed(0)
     x, weight = torch.randn(1, 30, 6), torch.randn(6, 4)
@@ -129,7 +129,7 @@ def test_standin_answers_only_while_no_real_fla_is_installed(tmp_path, monkeypat
     import importlib
     import sys
 
-    from torchtitan_npu.overlay import fla_standin
+    from torchtitan_npu.kernels import fla_standin
 
     if importlib.machinery.PathFinder.find_spec("fla") is not None:
         pytest.skip("a real fla is installed here")

@@ -258,6 +258,7 @@ def test_a_layer_pattern_upstream_cannot_build_is_named():
         architecture.derive("qwen3_5", config, ERA)
 
 
+@pytest.mark.e2e
 def test_own_size_trains_from_its_hf_directory(launcher, tmp_path):
     """``--model.flavor hf --model.hf_assets_path DIR``: the derived Qwen3.5-MoE
     loads DIR's weights through the adapter in training and the loss falls."""

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from torchtitan_npu.distributed.hccl import mean_by_sum, translate_nccl_env
 from torchtitan_npu.overlay import common
 from torchtitan_npu.overlay.registry import Overlay, PatchContext, resolve_target
-from torchtitan_npu.tools.flops import PEAK_FLOPS_ENV, ascend_peak_flops
+from torchtitan_npu.reporting.flops import PEAK_FLOPS_ENV, ascend_peak_flops
 
 
 def npu_context(upstream) -> PatchContext:

@@ -140,7 +140,7 @@ def test_varlen_reference_is_attention_within_each_sequence(window):
     (GQA: 4 query heads over 2 kv heads)."""
     import torch.nn.functional as F
 
-    from torchtitan_npu.overlay.common import varlen_attention_reference
+    from torchtitan_npu.kernels.varlen_attention import varlen_attention_reference
 
     lengths, generator = [5, 9, 2], torch.Generator().manual_seed(0)
     q = torch.randn(sum(lengths), 4, 8, generator=generator)

@@ -55,7 +55,7 @@ def run_upstream() -> None:
 def main(argv: list[str] | None = None) -> None:
     from torchtitan_npu.errors import UserError
     from torchtitan_npu.launcher import die_with_parent, record_failure
-    from torchtitan_npu.tools.log_noise import quiet_upstream_noise
+    from torchtitan_npu.reporting.log_noise import quiet_upstream_noise
 
     die_with_parent()  # no orphan may keep writing checkpoints
     quiet_upstream_noise()

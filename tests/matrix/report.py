@@ -12,8 +12,8 @@ from pathlib import Path
 
 from layouts import LAYOUTS, RESUMES
 
+from torchtitan_npu.reporting.table import format_markdown_table
 from torchtitan_npu.tools.loss_compare import plot_runs
-from torchtitan_npu.tools.table import format_markdown_table
 
 
 def cell_text(cell: dict | None, notes: list[str]) -> str:

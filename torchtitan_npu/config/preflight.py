@@ -516,7 +516,7 @@ def check(
     check_checkpoint(config)
     from torchtitan_npu.bootstrap import activate
     from torchtitan_npu.config import era_config
-    from torchtitan_npu.tools.log_noise import quiet_upstream_noise
+    from torchtitan_npu.reporting.log_noise import quiet_upstream_noise
 
     quiet_upstream_noise()
     activation = activate()

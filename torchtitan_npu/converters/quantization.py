@@ -23,7 +23,7 @@ from typing import Any
 
 from torchtitan_npu.errors import ConverterError
 from torchtitan_npu.models import OPTIONAL_PACKAGES
-from torchtitan_npu.tools.table import format_table
+from torchtitan_npu.reporting.table import format_table
 
 QUANTIZE = "quantize."
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.overlay.registry import (
@@ -185,53 +185,6 @@ def eager_flex_attention(*args, **kwargs) -> Any:
         return flex_attention(*args, **kwargs)
 
 
-def varlen_attention_reference(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_seq_q: torch.Tensor,
-    cu_seq_k: torch.Tensor | None,
-    max_q: int,
-    max_k: int,
-    *,
-    return_aux: Any = None,
-    scale: float | None = None,
-    window_size: tuple[int, int] = (-1, -1),
-    enable_gqa: bool = False,
-    **unused: Any,
-) -> Any:
-    """torch's ``varlen_attn`` (flash-only) as plain tensor math: packed
-    sequences (T, N, H) whose boundaries are ``cu_seq_q``, each attending
-    within itself (``window_size`` = (left, right), -1 unbounded), scores in
-    float32; returns (out (T, N, H) in the query's dtype[, lse (N, T)])."""
-    import torch
-
-    shared = cu_seq_k is None or cu_seq_k is cu_seq_q  # upstream passes one tensor
-    if not shared and not torch.equal(cu_seq_q, cu_seq_k):
-        raise NotImplementedError("varlen reference: queries and keys share lengths")
-    if enable_gqa and key.shape[1] != query.shape[1]:
-        group = query.shape[1] // key.shape[1]
-        key, value = (t.repeat_interleave(group, dim=1) for t in (key, value))
-    tokens = query.shape[0]
-    position = torch.arange(tokens, device=query.device)
-    sequence = torch.bucketize(position, cu_seq_q[1:].to(position), right=True)
-    allowed = sequence[:, None] == sequence[None, :]
-    left, right = window_size
-    offset = position[None, :] - position[:, None]  # key - query
-    if left >= 0:
-        allowed &= offset >= -left
-    if right >= 0:
-        allowed &= offset <= right
-    q, k, v = (t.float().transpose(0, 1) for t in (query, key, value))  # N, T, H
-    scores = q @ k.transpose(1, 2) * (scale or query.shape[-1] ** -0.5)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # N, T
-    out = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(query.dtype)
-    if return_aux is not None and getattr(return_aux, "lse", False):
-        return out, lse
-    return out
-
-
 def skip_unless_cpu(ctx: PatchContext) -> str | None:
     return None if ctx.device_type == "cpu" else f"not on cpu ({ctx.device_type})"
 
@@ -337,7 +290,7 @@ HCCL_ENV = Patch(
 
 
 def _apply_peak_flops(target: Target, ctx: PatchContext) -> list[Change]:
-    from torchtitan_npu.tools.flops import peak_flops
+    from torchtitan_npu.reporting.flops import peak_flops
 
     original = target.obj
 
@@ -356,7 +309,7 @@ PEAK_FLOPS = Patch(
         "upstream's peak-FLOPs lookup knows NVIDIA/AMD names only: elsewhere it "
         "runs lspci and reports MFU against an A100, with two warnings. Adds the "
         "Ascend table on npu; on cpu MFU has no meaningful peak and reads 0 "
-        "(tools/flops.py; TITAN_NPU_PEAK_FLOPS overrides both)."
+        "(reporting/flops.py; TITAN_NPU_PEAK_FLOPS overrides both)."
     ),
     eras=ALL_ERAS,
     upstream_ref=(
@@ -372,7 +325,7 @@ PEAK_FLOPS = Patch(
 
 
 def _apply_npu_profiler(target: Target, ctx: PatchContext) -> list[Change]:
-    from torchtitan_npu.tools import npu_profiler
+    from torchtitan_npu.reporting import npu_profiler
 
     return [Change(target.owner, target.attr, getattr(npu_profiler, target.attr))]
 
@@ -384,7 +337,7 @@ NPU_PROFILER = Patch(
     reason=(
         "upstream profiles with torch.profiler, which records no NPU activity; "
         "builds torch_npu.profiler.profile with CPU + NPU activities instead "
-        "(tools/npu_profiler.py), under upstream's profiling config."
+        "(reporting/npu_profiler.py), under upstream's profiling config."
     ),
     eras=ALL_ERAS,
     upstream_ref=(

@@ -3,11 +3,8 @@
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
-from torchtitan_npu.overlay.common import (
-    eager_flex_attention,
-    skip_unless_cpu,
-    varlen_attention_reference,
-)
+from torchtitan_npu.kernels.varlen_attention import varlen_attention_reference
+from torchtitan_npu.overlay.common import eager_flex_attention, skip_unless_cpu
 from torchtitan_npu.overlay.registry import (
     Change,
     Patch,
@@ -369,7 +366,7 @@ def _fla_call_site(qualname: str) -> Patch:
         target=f"torchtitan.models.qwen3_5.model:{qualname}",
         kind="depend",
         reason=(
-            "without flash-linear-attention, overlay/fla_standin.py answers for "
+            "without flash-linear-attention, kernels/fla_standin.py answers for "
             "the fla functions this upstream code calls, with the arguments it "
             "passes (the PyTorch gated delta rule, a reference causal conv)"
         ),

@@ -252,7 +252,7 @@ def check(
 ) -> list[PatchStatus]:
     """Resolve and fingerprint every target without changing anything (but
     the fla stand-in: upstream's Qwen3.5, a target, imports fla)."""
-    from torchtitan_npu.overlay import fla_standin
+    from torchtitan_npu.kernels import fla_standin
 
     fla_standin.install()
     if not _FINGERPRINTS:
@@ -411,8 +411,8 @@ class Overlay:
         while self._applied:
             _undo(self._applied.pop().undo)
         self._ctx, self.status = None, []
-        if "torchtitan_npu.overlay.fla_standin" in sys.modules:
-            sys.modules["torchtitan_npu.overlay.fla_standin"].uninstall()
+        if "torchtitan_npu.kernels.fla_standin" in sys.modules:
+            sys.modules["torchtitan_npu.kernels.fla_standin"].uninstall()
 
     @contextlib.contextmanager
     def applied(

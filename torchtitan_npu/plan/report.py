@@ -5,7 +5,7 @@ from pathlib import Path
 
 from torchtitan_npu.plan.estimate import PARTS, Estimate, RankMemory, layout_name
 from torchtitan_npu.plan.search import Candidate
-from torchtitan_npu.tools.table import format_table
+from torchtitan_npu.reporting.table import format_table
 
 GIB = 1024**3
 

@@ -15,7 +15,7 @@ from torchtitan_npu.compat import (
 )
 from torchtitan_npu.overlay import PatchContext, check, patches_for
 from torchtitan_npu.overlay.registry import PatchStatus
-from torchtitan_npu.tools.table import format_table
+from torchtitan_npu.reporting.table import format_table
 
 
 def _inspect_installed():

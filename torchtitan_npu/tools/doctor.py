@@ -147,7 +147,7 @@ def manifest_table(rows: list[PatchStatus]) -> str:
 def converter_table(era: Era, device_type: str) -> str:
     from torchtitan_npu.converters import CONVERTERS
     from torchtitan_npu.converters.kernels import impl_for
-    from torchtitan_npu.tools.table import format_table
+    from torchtitan_npu.reporting.table import format_table
 
     rows = []
     for name, converter in sorted(CONVERTERS.items()):

@@ -13,7 +13,7 @@ import sys
 from torchtitan_npu.compat import resolve_upstream
 from torchtitan_npu.config import era_config
 from torchtitan_npu.models import needs
-from torchtitan_npu.tools.table import format_table
+from torchtitan_npu.reporting.table import format_table
 
 # (model, flavor) -> what checks it in this project, on every era it exists in.
 TESTED = {

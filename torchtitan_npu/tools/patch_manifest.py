@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.overlay import Patch, patches_for
-from torchtitan_npu.tools.table import format_markdown_table
+from torchtitan_npu.reporting.table import format_markdown_table
 
 
 def all_patches() -> list[Patch]:

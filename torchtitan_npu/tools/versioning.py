@@ -4,7 +4,7 @@ from pathlib import Path
 
 from torchtitan_npu.compat import Era, UpstreamEntry, read_lock
 from torchtitan_npu.errors import UsageError
-from torchtitan_npu.tools.table import format_markdown_table
+from torchtitan_npu.reporting.table import format_markdown_table
 
 
 def render(entries: list[UpstreamEntry]) -> str:

@@ -5,7 +5,7 @@ Triton kernels at module level: without fla the model does not even import,
 and fla's kernels run on CUDA only. While the overlay is active and no real
 ``fla`` is installed, an import finder placed last on ``sys.meta_path``
 answers for exactly the fla names upstream imports, with the PyTorch gated
-delta rule of ``overlay/gated_delta.py`` and a reference causal conv behind
+delta rule of ``kernels/gated_delta.py`` and a reference causal conv behind
 them. A real fla, when installed, always wins (the finder is asked last).
 
 The ``depend`` records of ``overlay/config_registry.py`` pin upstream's call
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from torchtitan_npu.overlay import gated_delta
+from torchtitan_npu.kernels import gated_delta
 
 logger = logging.getLogger("torchtitan_npu")
 STANDIN = "__titan_npu_standin__"
