@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from torchtitan_npu.config import hf_model, preflight, resolve
+from torchtitan_npu.config import resolve
 from torchtitan_npu.distributed import DEVICE_ENV
 from torchtitan_npu.entry import hand_over, run_upstream
 from torchtitan_npu.tools.scalars import read_scalars
@@ -76,10 +76,6 @@ class WarmLauncher:
     ) -> dict | None:
         """Train with `titan-npu train` overrides; return TensorBoard scalars."""
         config = resolve(None, [*args, "--job.dump_folder", str(dump_folder)])
-        # The launcher's checks that need no upstream (paths made absolute,
-        # the HF directory of `--model.flavor hf`), as `titan-npu train` runs them.
-        preflight.absolute_paths(config)
-        hf_model.prepare(config)
         dump_folder.mkdir(parents=True, exist_ok=True)
         given = set(dump_folder.rglob("*"))  # e.g. a checkpoint to resume from
         config_file = dump_folder / "titan_npu_config.json"

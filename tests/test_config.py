@@ -64,8 +64,13 @@ def test_validation_on_the_embedded_corpus_reads_its_held_out_part(
         "dataset": "c4_test",
         "dataset_path": validation["dataset_path"],
     }
-    own = ["--validation.enable", "true", "--validation.dataset_path", "/data"]
-    assert resolve(None, own)["validation"] == {"enable": True, "dataset_path": "/data"}
+    data = tmp_path / "data"
+    data.mkdir()
+    own = ["--validation.enable", "true", "--validation.dataset_path", str(data)]
+    assert resolve(None, own)["validation"] == {
+        "enable": True,
+        "dataset_path": str(data),
+    }
     own[1:2] = ["true", "--validation.dataset", "embedded"]
     with pytest.raises(ConfigError, match="validation.dataset_path is set but"):
         resolve(None, own)
@@ -235,3 +240,22 @@ def test_trainspec_rejects_unknown_keys(upstream):
     config.setdefault("debug", {})["seeed"] = 2
     with pytest.raises(ConfigError, match=r"did you mean '(debug|training)\.seed'"):
         translate(config, version=upstream.installed.version)
+
+
+def test_resolve_normalizes_and_the_checks_only_read(tmp_path, monkeypatch):
+    """resolve() makes paths absolute; preflight's checks change nothing."""
+    import copy
+
+    from torchtitan_npu.config import preflight
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    own = ["--training.dataset", "c4_test", "--training.dataset_path"]
+    config = resolve(None, [*own, "data"])
+    assert config["training"]["dataset_path"] == str(tmp_path / "data")
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve(None, [*own, "nowhere"])
+    config = resolve(None, [])
+    before = copy.deepcopy(config)
+    preflight.check(config, world_size=1, launch="1 x 1")
+    assert config == before

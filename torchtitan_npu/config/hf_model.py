@@ -27,10 +27,13 @@ def wanted(config: dict[str, Any]) -> bool:
 
 
 def prepare(config: dict[str, Any]) -> None:
-    """In the launcher: check DIR, name the model, point the checkpoint at
-    DIR's weights (the resolved config then says all of it)."""
+    """While the config is resolved: check DIR, name the model, point the
+    checkpoint at DIR's weights (the resolved config then says all of it)."""
     if not wanted(config):
         return
+    from torchtitan_npu.distributed import check_torch_loads
+
+    check_torch_loads()  # the adapters import torch: a broken torch_npu is one line
     from torchtitan_npu.state_dict_adapters import architecture
 
     model = config["model"]
@@ -72,6 +75,9 @@ def register(config: dict[str, Any], era: Era) -> None:
     derived from config.json and registered."""
     if not wanted(config):
         return
+    from torchtitan_npu.distributed import check_torch_loads
+
+    check_torch_loads()  # the adapters import torch: a broken torch_npu is one line
     from torchtitan_npu.state_dict_adapters import architecture
 
     model = config["model"]

@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from torchtitan_npu.config import hf_model
 from torchtitan_npu.config.schema import ConfigError, did_you_mean
 from torchtitan_npu.errors import ConversionError
 
@@ -182,32 +181,6 @@ def check_chunked_loss(translated: Any) -> None:
             f"{seq // cp} tokens, which upstream's chunked loss cannot split into "
             f"its {chunks} chunks; use a multiple of {chunks * cp}"
         )
-
-
-def absolute_paths(config: dict[str, Any]) -> None:
-    """Paths the ranks read, checked to exist and made absolute (upstream
-    0.3.x requires an absolute initial_load_path)."""
-    for section, key, what in [
-        ("model", "hf_assets_path", "tokenizer/HF assets folder"),
-        ("training", "dataset_path", "dataset path"),
-        ("validation", "dataset_path", "validation dataset path"),
-        ("checkpoint", "initial_load_path", "checkpoint to start from"),
-    ]:
-        value = config.get(section, {}).get(key)
-        if not value:
-            continue
-        if not isinstance(value, str):
-            raise ConfigError(f"{section}.{key} = {value!r}: expected a path")
-        if "://" in value:
-            continue  # remote storage: upstream reads it
-        path = Path(value).expanduser()
-        if not path.exists():
-            embedded = ", or embedded" if key == "hf_assets_path" else ""
-            raise ConfigError(
-                f"{section}.{key}: {what} {value} does not exist "
-                f"(set --{section}.{key} PATH{embedded})"
-            )
-        config[section][key] = str(path.resolve())
 
 
 # Upstream's text datasets (both eras): HF datasets' load_dataset(path) of a
@@ -510,9 +483,7 @@ def check(
     ``layout=False``: a search checks each layout it makes)."""
     check_layout(config, world_size, launch)
     check_values(config)
-    absolute_paths(config)
     check_dataset(config)
-    hf_model.prepare(config)
     check_checkpoint(config)
     from torchtitan_npu.bootstrap import activate
     from torchtitan_npu.config import era_config

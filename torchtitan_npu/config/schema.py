@@ -93,7 +93,10 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def resolve(config_path: str | Path | None, overrides: list[str]) -> dict[str, Any]:
-    """Read a train config, apply overrides and fill in the embedded assets."""
+    """Read a train config, apply overrides and fill in what it leaves to
+    titan-npu: the embedded assets, absolute paths, an HF directory's model.
+    Every normalization happens here; the checks after it (preflight) only
+    read the config."""
     config = load_toml(config_path or DEFAULT_CONFIG)
     apply_overrides(config, parse_overrides(overrides))
     model = config.setdefault("model", {})
@@ -119,7 +122,37 @@ def resolve(config_path: str | Path | None, overrides: list[str]) -> dict[str, A
             model["hf_assets_path"] = str(assets.tokenizer_path)
         _embedded_data(training, "training", assets.dataset_path)
         _embedded_data(validation, "validation", assets.validation_path)
+    resolve_paths(config)
+    from torchtitan_npu.config import hf_model
+
+    hf_model.prepare(config)  # --model.flavor hf: the model and weights it names
     return config
+
+
+def resolve_paths(config: dict[str, Any]) -> None:
+    """Paths the ranks read, checked to exist and made absolute (upstream
+    0.3.x requires an absolute initial_load_path)."""
+    for section, key, what in [
+        ("model", "hf_assets_path", "tokenizer/HF assets folder"),
+        ("training", "dataset_path", "dataset path"),
+        ("validation", "dataset_path", "validation dataset path"),
+        ("checkpoint", "initial_load_path", "checkpoint to start from"),
+    ]:
+        value = config.get(section, {}).get(key)
+        if not value:
+            continue
+        if not isinstance(value, str):
+            raise ConfigError(f"{section}.{key} = {value!r}: expected a path")
+        if "://" in value:
+            continue  # remote storage: upstream reads it
+        path = Path(value).expanduser()
+        if not path.exists():
+            embedded = ", or embedded" if key == "hf_assets_path" else ""
+            raise ConfigError(
+                f"{section}.{key}: {what} {value} does not exist "
+                f"(set --{section}.{key} PATH{embedded})"
+            )
+        config[section][key] = str(path.resolve())
 
 
 def _embedded_data(section: dict[str, Any], name: str, path: Path) -> None:
