@@ -555,6 +555,7 @@ def test_plan_prints_the_breakdown_and_plots(tmp_path):
     assert plot.stat().st_size > 0
 
 
+@pytest.mark.e2e
 @requires_default_upstream("era-independent: torch's FSDP and gloo (CI time)")
 def test_a_plan_on_cpu_holds_gloos_reduce_scatter_copy():
     """gloo reduce-scatters through a copy of the whole input, NCCL and HCCL

@@ -35,6 +35,7 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
 
     config = resolve(args.config, overrides)  # no torch yet: TOML errors are instant
     launch = f"--nproc-per-node {args.nproc_per_node} x --nnodes {args.nnodes}"
+    preflight.check_early(config, world_size=world_size, launch=launch)
     launch_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     metrics = config.setdefault("metrics", {})
     # One TensorBoard folder per launch (upstream's is per minute).
@@ -132,6 +133,9 @@ def _make_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.search and memory is None:
         raise devices.PlanError("--search needs --device-memory or --device-name")
     config = resolve(args.config, overrides)
+    launch = f"--nproc-per-node {args.nproc_per_node} x --nnodes {args.nnodes}"
+    early = None if args.search else world_size
+    preflight.check_early(config, world_size=early, launch=launch)
     check_torch_loads()
     from torchtitan_npu.distributed import select_device_type
 
@@ -140,7 +144,6 @@ def _make_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         if args.device_name
         else select_device_type()
     )
-    launch = f"--nproc-per-node {args.nproc_per_node} x --nnodes {args.nnodes}"
     preflight.check(
         config,
         world_size=None if args.search else world_size,
@@ -318,8 +321,8 @@ def _interruptible(run: Callable[[], int], what: str, undone: str) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    from torchtitan_npu.models import HF_FLAVOR
     from torchtitan_npu.state_dict_adapters import convert
-    from torchtitan_npu.state_dict_adapters.architecture import HF_FLAVOR
 
     dtype = convert.DTYPE_ARGS.get(args.dtype) if args.dtype else None
     if args.model is None and args.direction == "from-hf":

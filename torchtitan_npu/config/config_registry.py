@@ -16,11 +16,10 @@ from typing import Any
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.config import hf_model
+from torchtitan_npu.config.field_table import FieldTable, plain
 from torchtitan_npu.config.fields import (
-    MISSING,
-    expected,
+    describe,
     field_type,
-    fitted,
     get_path,
     has_path,
     leaf_paths,
@@ -30,7 +29,6 @@ from torchtitan_npu.config.schema import (
     ConfigError,
     did_you_mean,
     flatten,
-    wrong_type,
 )
 from torchtitan_npu.models import MODEL_PACKAGES, find_model_module, needs
 
@@ -55,17 +53,45 @@ _SECTIONS_BACK = {"dataloader": "training"} | {v: k for k, v in SECTION_RENAMES.
 _HANDLED = {"model.name", "model.flavor", "job.description"}
 # [optimizer] keys that live in every param group's optimizer_kwargs on 0.3.x
 _OPTIMIZER_KWARGS = {"lr", "eps", "weight_decay"}
+# The keys whose values choose upstream's config classes (the dataloader's,
+# activation checkpointing's), and so which other keys exist: a cached field
+# table is one per combination of them.
+SHAPING_KEYS = (
+    "model.name",
+    "model.flavor",
+    "training.dataset",
+    "activation_checkpoint.mode",
+    "activation_checkpoint.selective_ac_option",
+)
+# Keys translate reads before the others (activation checkpointing, converters)
+_READ_FIRST = (
+    "activation_checkpoint.mode",
+    "activation_checkpoint.selective_ac_option",
+    "model.converters",
+)
 
 
-def _keys(trainer_config: Any) -> list[str]:
-    """The train config keys this era takes, spelled as the TOML spells them."""
+def field_table(trainer_config: Any, version: str) -> FieldTable:
+    """The train config keys this era takes, spelled as the TOML spells them,
+    with their types and the values ``trainer_config`` (a base config) has."""
     back = {v: k for k, v in _RENAMES.items()}
     sections = {v: k for k, v in SECTION_RENAMES.items()}
-    keys = [*_HANDLED, *(f"optimizer.{k}" for k in _OPTIMIZER_KWARGS)]
+    taken = {"type": "any", "default": None}  # read before the key loop
+    fields = dict.fromkeys([*_HANDLED, *_READ_FIRST], taken)
+    for kwarg in _OPTIMIZER_KWARGS:
+        group = trainer_config.optimizer.param_groups[0].optimizer_kwargs
+        fields[f"optimizer.{kwarg}"] = {"type": "float", "default": group.get(kwarg)}
+    name = trainer_config.optimizer.param_groups[0].optimizer_name
+    fields["optimizer.name"] = {"type": "str", "default": name}
     for path in leaf_paths(trainer_config):
+        value = get_path(trainer_config, path)
+        if isinstance(value, dict):
+            continue  # a table of upstream's own, not a key the TOML sets
         section, _, leaf = path.partition(".")
-        keys.append(back.get(path) or f"{sections.get(section, section)}.{leaf}")
-    return keys
+        key = back.get(path) or f"{sections.get(section, section)}.{leaf}"
+        kind = describe(field_type(trainer_config, path))
+        fields[key] = {"type": kind, "default": plain(value)}
+    return FieldTable(version, ERA.value, fields, open_sections=("quantize",))
 
 
 def base_config(name: str, flavor: str) -> Any:
@@ -345,10 +371,9 @@ def _validate_sections(config: Any, version: str, path: str = "") -> None:
         ) from None
 
 
-def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
-    """The ``Trainer.Config`` of a project config: upstream's config function
-    for the model and flavor, every key set on it (renamed, type-checked),
-    then the converters. Raises ConfigError naming the key."""
+def _shaped(config: dict[str, Any], device_type: str) -> Any:
+    """Upstream's config function's ``Trainer.Config`` for the model and
+    flavor, with the config classes the SHAPING_KEYS choose."""
     model = config.get("model", {})
     hf_model.register(config, ERA)
     trainer_config = base_config(model["name"], model["flavor"])
@@ -359,46 +384,45 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
         # (PP refuses to start while they are enabled). A config may still set it.
         trainer_config.training.disable_cuda_graphs = True
     _text_pipeline(trainer_config, config.get("training", {}).get("dataset"))
-    flat = flatten(config)
-    ac_mode = flat.pop("activation_checkpoint.mode", None)
+    checkpointing = config.get("activation_checkpoint", {})
+    ac_mode = checkpointing.get("mode")
     if ac_mode is not None:
         trainer_config.activation_checkpoint = _activation_checkpoint(ac_mode)
-    ac_option = flat.pop("activation_checkpoint.selective_ac_option", "op")
+    ac_option = checkpointing.get("selective_ac_option", "op")
     if ac_option != "op":
         trainer_config.activation_checkpoint = _layer_ac(
             trainer_config.activation_checkpoint, ac_option
         )
+    return trainer_config
+
+
+def fields_of(config: dict[str, Any], *, version: str, device_type: str) -> FieldTable:
+    """The field table ``translate`` checks ``config``'s keys against."""
+    return field_table(_shaped(config, device_type), version)
+
+
+def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
+    """The ``Trainer.Config`` of a project config: upstream's config function
+    for the model and flavor, every key set on it (renamed, type-checked),
+    then the converters. Raises ConfigError naming the key."""
+    trainer_config = _shaped(config, device_type)
+    table = field_table(trainer_config, version)
+    flat = {key: table.checked(key, value) for key, value in flatten(config).items()}
     for key, value in flat.items():
-        if key in _HANDLED:
-            continue
         section, _, leaf = key.partition(".")
-        if key == "model.converters" or section == "quantize":
-            continue  # after every other key: converters check the layout
+        if key in _HANDLED or key in _READ_FIRST or section == "quantize":
+            continue  # converters after every other key: they check the layout
         if section == "optimizer" and leaf in _OPTIMIZER_KWARGS:
-            if want := expected(float, value):
-                raise wrong_type(key, value, want, version)
             for group in trainer_config.optimizer.param_groups:
                 group.optimizer_kwargs[leaf] = value
             continue
         if key == "optimizer.name":
-            if want := expected(str, value):
-                raise wrong_type(key, value, want, version)
             for group in trainer_config.optimizer.param_groups:
                 group.optimizer_name = value
             continue
         target = _RENAMES.get(key) or ".".join(
             [SECTION_RENAMES.get(section, section), leaf]
         )
-        current = get_path(trainer_config, target)
-        if current is MISSING or isinstance(current, dict):
-            raise ConfigError(
-                f"train config key {key!r} has no counterpart in torchtitan "
-                f"{version} (era {ERA}){did_you_mean(key, _keys(trainer_config))}"
-            )
-        annotation = field_type(trainer_config, target)
-        value = fitted(annotation, value)
-        if want := expected(annotation, value):
-            raise wrong_type(key, value, want, version)
         set_path(trainer_config, target, value)
     if flat.get("model.converters") or any(k.startswith("quantize.") for k in flat):
         from torchtitan_npu.converters import config_registry as converters
@@ -406,7 +430,7 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
         converters.apply(
             trainer_config,
             flat,
-            model_name=model["name"],
+            model_name=config["model"]["name"],
             device_type=device_type,
             version=version,
         )

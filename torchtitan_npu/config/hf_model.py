@@ -21,7 +21,7 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
 
 
 def wanted(config: dict[str, Any]) -> bool:
-    from torchtitan_npu.state_dict_adapters.architecture import HF_FLAVOR
+    from torchtitan_npu.models import HF_FLAVOR
 
     return config.get("model", {}).get("flavor") == HF_FLAVOR
 
@@ -75,9 +75,6 @@ def register(config: dict[str, Any], era: Era) -> None:
     derived from config.json and registered."""
     if not wanted(config):
         return
-    from torchtitan_npu.distributed import check_torch_loads
-
-    check_torch_loads()  # the adapters import torch: a broken torch_npu is one line
     from torchtitan_npu.state_dict_adapters import architecture
 
     model = config["model"]

@@ -14,22 +14,28 @@ import re
 from pathlib import Path
 from typing import Any
 
+from torchtitan_npu.config import field_table
+from torchtitan_npu.config.field_table import FieldTable
 from torchtitan_npu.config.schema import ConfigError, did_you_mean
 from torchtitan_npu.errors import ConversionError
 
-# [parallelism] key -> upstream's default (-1: "the rest of the processes")
-_DEGREES = {
-    "data_parallel_replicate_degree": 1,
-    "data_parallel_shard_degree": -1,
-    "context_parallel_degree": 1,
-    "tensor_parallel_degree": 1,
-    "pipeline_parallel_degree": 1,
-}
+# The mesh degrees a launch's process count must match (-1: "the rest").
+_DEGREES = (
+    "data_parallel_replicate_degree",
+    "data_parallel_shard_degree",
+    "context_parallel_degree",
+    "tensor_parallel_degree",
+    "pipeline_parallel_degree",
+)
 
 
-def _degrees(config: dict[str, Any]) -> dict[str, Any]:
+def _degrees(config: dict[str, Any], table: FieldTable) -> dict[str, Any]:
+    """The degrees ``config`` sets, else upstream's defaults."""
     parallelism = config.get("parallelism", {})
-    return {key: parallelism.get(key, default) for key, default in _DEGREES.items()}
+    return {
+        key: parallelism.get(key, table.default(f"parallelism.{key}"))
+        for key in _DEGREES
+    }
 
 
 def _fixed(degrees: dict[str, int]) -> int:
@@ -40,9 +46,11 @@ def _fixed(degrees: dict[str, int]) -> int:
     return product
 
 
-def check_layout(config: dict[str, Any], world_size: int | None, launch: str) -> None:
+def check_layout(
+    config: dict[str, Any], table: FieldTable, world_size: int | None, launch: str
+) -> None:
     """The parallel degrees multiply to the number of processes launched."""
-    degrees = _degrees(config)
+    degrees = _degrees(config, table)
     for key, value in degrees.items():
         wildcard = key == "data_parallel_shard_degree" and value == -1
         if not isinstance(value, int) or isinstance(value, bool):
@@ -113,14 +121,16 @@ def check_values(config: dict[str, Any]) -> None:
         )
 
 
-def check_batch(translated: Any, world_size: int | None, launch: str) -> None:
+def check_batch(
+    translated: Any, table: FieldTable, world_size: int | None, launch: str
+) -> None:
     """Upstream's trainer splits the global batch into local batches x
     data-parallel ranks x gradient-accumulation steps, and asserts it can."""
-    total = _setting(translated, "training", "global_batch_size", -1)
+    total = _setting(translated, table, "training", "global_batch_size")
     if world_size is None or total < 0:
         return
-    local = _setting(translated, "training", "local_batch_size", 8)
-    dp = dp_degree(_parallelism(translated), world_size)
+    local = _setting(translated, table, "training", "local_batch_size")
+    dp = dp_degree(_parallelism(translated, table), world_size)
     if total == 0 or total % (local * dp):
         raise ConfigError(
             f"training.global_batch_size {total} must be a positive multiple of "
@@ -130,10 +140,12 @@ def check_batch(translated: Any, world_size: int | None, launch: str) -> None:
         )
 
 
-def check_optimizer(translated: Any, known: tuple[str, ...], version: str) -> None:
+def check_optimizer(
+    translated: Any, table: FieldTable, known: tuple[str, ...], version: str
+) -> None:
     """Upstream builds its optimizers by name, after the model (a few names)."""
     if isinstance(translated, dict):
-        names = [translated.get("optimizer", {}).get("name", "AdamW")]
+        names = [_setting(translated, table, "optimizer", "name")]
     else:
         names = [group.optimizer_name for group in translated.optimizer.param_groups]
     for name in names:
@@ -145,13 +157,13 @@ def check_optimizer(translated: Any, known: tuple[str, ...], version: str) -> No
             )
 
 
-def check_profiling(translated: Any, device_type: str) -> None:
+def check_profiling(translated: Any, table: FieldTable, device_type: str) -> None:
     """The profiler's cycle fits its period, and memory snapshots have a
     device allocator to record (upstream fails at the first step)."""
-    if _setting(translated, "profiling", "enable_profiling", False):
-        freq = _setting(translated, "profiling", "profile_freq", 10)
-        warmup = _setting(translated, "profiling", "profiler_warmup", 3)
-        active = _setting(translated, "profiling", "profiler_active", 1)
+    if _setting(translated, table, "profiling", "enable_profiling"):
+        freq = _setting(translated, table, "profiling", "profile_freq")
+        warmup = _setting(translated, table, "profiling", "profiler_warmup")
+        active = _setting(translated, table, "profiling", "profiler_active")
         if freq < warmup + active:
             raise ConfigError(
                 f"profiling.profile_freq {freq} is shorter than profiler_warmup "
@@ -159,7 +171,7 @@ def check_profiling(translated: Any, device_type: str) -> None:
                 f"{warmup + active} or more"
             )
     if device_type == "cpu" and _setting(
-        translated, "profiling", "enable_memory_snapshot", False
+        translated, table, "profiling", "enable_memory_snapshot"
     ):
         raise ConfigError(
             "profiling.enable_memory_snapshot records a cuda or npu allocator's "
@@ -167,14 +179,17 @@ def check_profiling(translated: Any, device_type: str) -> None:
         )
 
 
-def check_chunked_loss(translated: Any) -> None:
+def check_chunked_loss(
+    translated: Any,
+    table: FieldTable,
+) -> None:
     """0.3's chunked loss splits each rank's sequence into equal chunks; upstream
     refuses another length at the first step."""
     chunks = getattr(getattr(translated, "loss", None), "num_chunks", None)
     if not chunks:
         return
-    seq = _setting(translated, "training", "seq_len", 1)
-    cp = _setting(translated, "parallelism", "context_parallel_degree", 1)
+    seq = _setting(translated, table, "training", "seq_len")
+    cp = _setting(translated, table, "parallelism", "context_parallel_degree")
     if (seq // cp) % chunks:
         raise ConfigError(
             f"training.seq_len {seq} over context_parallel {cp} leaves each rank "
@@ -339,7 +354,11 @@ def dp_degree(degrees: dict[str, Any], world_size: int) -> int:
 
 
 def check_loadable(
-    config: dict[str, Any], world_size: int | None, era: str, version: str
+    config: dict[str, Any],
+    table: FieldTable,
+    world_size: int | None,
+    era: str,
+    version: str,
 ) -> None:
     """The checkpoint the run will load: a whole DCP checkpoint, of this era's
     parameter names, and (unless its data position is left out) saved with
@@ -366,7 +385,7 @@ def check_loadable(
     saved = native_era(checkpoint.model_layout)
     if saved is None or saved == era:
         _check_training_state(config, checkpoint, resume)
-        _check_data_position(config, checkpoint, world_size)
+        _check_data_position(config, table, checkpoint, world_size)
         return
     versions = ", ".join(e.version for e in read_lock() if e.era == saved)
     fresh = " or train in another --job.dump_folder" if resume else ""
@@ -453,12 +472,14 @@ def _check_training_state(config, checkpoint, resume: bool) -> None:
     )
 
 
-def _check_data_position(config, checkpoint, world_size: int | None) -> None:
+def _check_data_position(
+    config, table: FieldTable, checkpoint, world_size: int | None
+) -> None:
     excluded = config.get("checkpoint", {}).get("exclude_from_loading") or []
     saved = checkpoint.read_number("dataloader.world_size")
     if world_size is None or "dataloader" in excluded or saved is None:
         return
-    now = dp_degree(_degrees(config), world_size)
+    now = dp_degree(_degrees(config, table), world_size)
     if saved != now:
         raise ConfigError(
             f"checkpoint {checkpoint.path} holds the data position of "
@@ -467,6 +488,21 @@ def _check_data_position(config, checkpoint, world_size: int | None) -> None:
             "start the data from its beginning (samples seen again) with "
             """--checkpoint.exclude_from_loading '["dataloader"]'"""
         )
+
+
+def check_early(config: dict[str, Any], *, world_size: int | None, launch: str) -> None:
+    """At once, before torch and upstream are imported: every key and type,
+    and the layout against the process count, from the field table an
+    earlier check cached for this upstream (none yet: ``check`` decides, and
+    caches it)."""
+    from torchtitan_npu.compat import resolve_upstream
+    from torchtitan_npu.config import era_config
+
+    shaping = era_config(resolve_upstream().era).SHAPING_KEYS
+    table = field_table.load(config, shaping)
+    if table is not None:
+        table.check_all(config)
+        check_layout(config, table, world_size, launch)
 
 
 def check(
@@ -481,7 +517,6 @@ def check(
     then what the run's ``device_type`` (this machine's unless given: a
     plan's target) cannot run with its parallel degrees (not with
     ``layout=False``: a search checks each layout it makes)."""
-    check_layout(config, world_size, launch)
     check_values(config)
     check_dataset(config)
     check_checkpoint(config)
@@ -492,10 +527,11 @@ def check(
     quiet_upstream_noise()
     activation = activate()
     version = activation.upstream.installed.version
-    check_loadable(config, world_size, activation.context.era, version)
     era = era_config(activation.context.era)
     here = activation.context.device_type
     try:
+        table = era.fields_of(config, version=version, device_type=here)
+        field_table.save(table, config, era.SHAPING_KEYS)  # for the next launch
         translated = era.translate(config, version=version, device_type=here)
     except ConfigError:
         raise
@@ -508,49 +544,59 @@ def check(
             f"era {activation.context.era}'s ({type(e).__name__}: {e}); install "
             "a tested upstream (titan-npu --version lists the lock)"
         ) from e
+    check_layout(config, table, world_size, launch)
+    check_loadable(config, table, world_size, activation.context.era, version)
     check_model_fits(config, era)
     if not layout:
         return
-    check_expert_parallel(_parallelism(translated), world_size, launch)
-    check_pipeline(translated)
-    check_batch(translated, world_size, launch)
-    check_optimizer(translated, era.OPTIMIZERS, version)
-    check_profiling(translated, device_type or here)
+    check_expert_parallel(_parallelism(translated, table), world_size, launch)
+    check_pipeline(translated, table)
+    check_batch(translated, table, world_size, launch)
+    check_optimizer(translated, table, era.OPTIMIZERS, version)
+    check_profiling(translated, table, device_type or here)
     era.check_runnable(translated, device_type=device_type or here, version=version)
-    check_chunked_loss(translated)
+    check_chunked_loss(translated, table)
 
 
-_EXPERT_DEGREES = {"expert_parallel_degree": 1, "expert_tensor_parallel_degree": 1}
+_EXPERT_DEGREES = ("expert_parallel_degree", "expert_tensor_parallel_degree")
 
 
-def _parallelism(translated: Any) -> dict[str, int]:
+def _parallelism(translated: Any, table: FieldTable) -> dict[str, int]:
     """The degrees of a translated config: 0.3.x's Trainer.Config (the recipe's
     values included), 0.2.x's TOML dict (the keys set; upstream's defaults)."""
-    names = {**_DEGREES, **_EXPERT_DEGREES}
-    return {k: _setting(translated, "parallelism", k, v) for k, v in names.items()}
+    return {
+        key: _setting(translated, table, "parallelism", key)
+        if f"parallelism.{key}" in table.fields
+        else 1  # a parallelism this upstream does not have (0.3.0: no ETP)
+        for key in (*_DEGREES, *_EXPERT_DEGREES)
+    }
 
 
-def _setting(translated: Any, section: str, key: str, default: Any) -> Any:
-    """One value of a translated config (0.2.x: the keys set, else ``default``;
-    0.3.x: the section under its own name)."""
+def _setting(translated: Any, table: FieldTable, section: str, key: str) -> Any:
+    """One value of a translated config (0.2.x: the keys set, else upstream's
+    default; 0.3.x: the section under its own name)."""
     if isinstance(translated, dict):
+        default = table.default(f"{section}.{key}")
         return translated.get(section, {}).get(key, default)
     from torchtitan_npu.config.config_registry import SECTION_RENAMES
 
-    return getattr(
-        getattr(translated, SECTION_RENAMES.get(section, section)), key, default
-    )
+    return getattr(getattr(translated, SECTION_RENAMES.get(section, section)), key)
 
 
-def check_pipeline(translated: Any) -> None:
+def check_pipeline(
+    translated: Any,
+    table: FieldTable,
+) -> None:
     """Microbatches split the local batch evenly, and torch's 1F1B schedule
     has one per stage at least (it refuses fewer at the first step)."""
-    pp = _setting(translated, "parallelism", "pipeline_parallel_degree", 1)
+    pp = _setting(translated, table, "parallelism", "pipeline_parallel_degree")
     if pp == 1:
         return
-    schedule = _setting(translated, "parallelism", "pipeline_parallel_schedule", "1F1B")
-    size = _setting(translated, "parallelism", "pipeline_parallel_microbatch_size", 1)
-    batch = _setting(translated, "training", "local_batch_size", 8)
+    schedule = _setting(translated, table, "parallelism", "pipeline_parallel_schedule")
+    size = _setting(
+        translated, table, "parallelism", "pipeline_parallel_microbatch_size"
+    )
+    batch = _setting(translated, table, "training", "local_batch_size")
     if batch % size:
         raise ConfigError(
             f"training.local_batch_size {batch} is not a multiple of "

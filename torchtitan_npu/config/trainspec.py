@@ -10,10 +10,11 @@ from typing import Any
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.config import hf_model
+from torchtitan_npu.config.field_table import FieldTable, plain
 from torchtitan_npu.config.fields import (
-    expected,
+    describe,
     field_type,
-    fitted,
+    get_path,
     has_path,
     leaf_paths,
 )
@@ -21,10 +22,11 @@ from torchtitan_npu.config.schema import (
     ConfigError,
     did_you_mean,
     flatten,
-    wrong_type,
 )
 
 ERA = Era.TRAINSPEC
+# JobConfig is one class on every 0.2.x: one field table per upstream.
+SHAPING_KEYS: tuple[str, ...] = ()
 # The optimizer names upstream's build_optimizers builds (every 0.2.x)
 OPTIMIZERS = ("Adam", "AdamW")
 
@@ -86,6 +88,33 @@ def known_models() -> list[str]:
     )
 
 
+def field_table(defaults: Any, version: str) -> FieldTable:
+    """The train config keys of ``JobConfig`` (``defaults``: an instance),
+    with their types and upstream's defaults; the legacy [debug] keys where
+    the release keeps them under [training]."""
+    fields = {
+        path: {
+            "type": describe(field_type(defaults, path)),
+            "default": plain(get_path(defaults, path)),
+        }
+        for path in leaf_paths(defaults)
+    }
+    for key, target in _LEGACY_DEBUG_KEYS.items():
+        if key not in fields and target in fields:
+            fields[key] = fields[target]
+    return FieldTable(version, ERA.value, fields)
+
+
+def fields_of(
+    config: dict[str, Any], *, version: str, device_type: str | None = None
+) -> FieldTable:
+    """The field table ``translate`` checks ``config``'s keys against."""
+    # pyrefly: ignore[missing-module-attribute]  # 0.2.x only
+    from torchtitan.config import JobConfig
+
+    return field_table(JobConfig(), version)
+
+
 def translate(
     config: dict[str, Any], *, version: str, device_type: str | None = None
 ) -> dict[str, Any]:
@@ -114,20 +143,10 @@ def translate(
             version=version,
             device_type=device_type,
         )
+    table = field_table(defaults, version)
     for key, value in flat.items():
-        target = key
-        if not has_path(defaults, key) and key in _LEGACY_DEBUG_KEYS:
-            target = _LEGACY_DEBUG_KEYS[key]
-        if not has_path(defaults, target):
-            known = [*leaf_paths(defaults), *_LEGACY_DEBUG_KEYS]
-            raise ConfigError(
-                f"train config key {key!r} has no counterpart in torchtitan "
-                f"{version} (era {ERA}){did_you_mean(key, known)}"
-            )
-        annotation = field_type(defaults, target)
-        value = fitted(annotation, value)
-        if want := expected(annotation, value):
-            raise wrong_type(key, value, want, version)
+        value = table.checked(key, value)
+        target = key if has_path(defaults, key) else _LEGACY_DEBUG_KEYS[key]
         *sections, leaf = target.split(".")
         node = out
         for section in sections:

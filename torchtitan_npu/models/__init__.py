@@ -3,6 +3,8 @@
 import importlib
 from types import ModuleType
 
+# The flavor whose architecture is derived from an HF directory's config.json.
+HF_FLAVOR = "hf"
 # Upstream's models first, then titan-npu's injected ones.
 MODEL_PACKAGES = ("torchtitan.models", "torchtitan_npu.models")
 

@@ -22,11 +22,9 @@ from typing import Any
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.errors import ConversionError
+from torchtitan_npu.models import HF_FLAVOR
 from torchtitan_npu.state_dict_adapters import get_adapter
 from torchtitan_npu.state_dict_adapters import upstream_models as um
-
-# The flavor name of an architecture derived from config.json.
-HF_FLAVOR = "hf"
 
 # config.json fields that never change what the model computes in training:
 # token ids, bookkeeping, the inference cache, HF-side training knobs, and
