@@ -75,6 +75,9 @@ def test_translate_and_the_early_check_say_the_same(cache):
     with pytest.raises(ConfigError, match="needs a multiple of 2 processes"):
         preflight.check_early(tp, world_size=1, launch="1 x 1")
     preflight.check_early(resolve(), world_size=1, launch="1 x 1")  # a good one
+    # As translate: converters as text (the command line's comma list) too.
+    converters = resolve("--model.converters", "rms_norm,rope")
+    preflight.check_early(converters, world_size=1, launch="1 x 1")
 
 
 def test_the_early_check_imports_neither_torch_nor_upstream(cache):

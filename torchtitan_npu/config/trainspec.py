@@ -102,6 +102,8 @@ def field_table(defaults: Any, version: str) -> FieldTable:
     for key, target in _LEGACY_DEBUG_KEYS.items():
         if key not in fields and target in fields:
             fields[key] = fields[target]
+    # Text or a list: translate's checked_names reads it and checks each name.
+    fields["model.converters"] = {**fields["model.converters"], "type": "any"}
     return FieldTable(version, ERA.value, fields)
 
 
