@@ -66,9 +66,15 @@ def plain(value: Any) -> Any:
     return None
 
 
+# The modules whose code decides a table's content: a new titan-npu (or an
+# edit of them) gets new tables, as a new upstream does.
+_BUILDERS = ("field_table.py", "fields.py", "trainspec.py", "config_registry.py")
+
+
 def _upstream_key() -> str | None:
     """The installed upstream's version and a hash of its RECORD (every
-    file's content hash): a rebuilt or edited upstream gets new tables."""
+    file's content hash) and of the table's builders: a rebuilt or edited
+    upstream, or another titan-npu, gets new tables."""
     try:
         dist = importlib.metadata.distribution("torchtitan")
     except importlib.metadata.PackageNotFoundError:
@@ -76,7 +82,10 @@ def _upstream_key() -> str | None:
     record = dist.read_text("RECORD")
     if not record:
         return None
-    return f"{dist.version}-{hashlib.sha256(record.encode()).hexdigest()[:16]}"
+    digest = hashlib.sha256(record.encode())
+    for builder in _BUILDERS:  # titan-npu's code that makes a table, too
+        digest.update((Path(__file__).parent / builder).read_bytes())
+    return f"{dist.version}-{digest.hexdigest()[:16]}"
 
 
 def cache_path(config: dict[str, Any], shaping: tuple[str, ...]) -> Path | None:
