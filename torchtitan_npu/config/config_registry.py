@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
-from torchtitan_npu.config import hf_model
+from torchtitan_npu.config import batch_and_data, hf_model
 from torchtitan_npu.config.field_table import FieldTable, plain
 from torchtitan_npu.config.fields import (
     describe,
@@ -83,15 +83,35 @@ def field_table(trainer_config: Any, version: str) -> FieldTable:
         fields[f"optimizer.{kwarg}"] = {"type": "float", "default": group.get(kwarg)}
     name = trainer_config.optimizer.param_groups[0].optimizer_name
     fields["optimizer.name"] = {"type": "str", "default": name}
+    grain = _grain_sections(trainer_config)
+    hidden = tuple(f"{batch_and_data.LOADERS[s]}.dataset." for s in grain)
     for path in leaf_paths(trainer_config):
         value = get_path(trainer_config, path)
-        if isinstance(value, dict):
-            continue  # a table of upstream's own, not a key the TOML sets
+        if isinstance(value, dict) or path.startswith(hidden):
+            continue  # upstream's own tables and dataset configs: not TOML keys
         section, _, leaf = path.partition(".")
         key = back.get(path) or f"{sections.get(section, section)}.{leaf}"
         kind = describe(field_type(trainer_config, path))
         fields[key] = {"type": kind, "default": plain(value)}
+    if batch_and_data.counts_tokens(trainer_config):
+        for key, value in batch_and_data.sequence_batch(trainer_config).items():
+            fields[key] = {"type": "int", "default": value}
+    for section in grain:
+        loader = get_path(trainer_config, batch_and_data.LOADERS[section])
+        name = batch_and_data.dataset_name(loader.dataset)
+        fields[f"{section}.dataset"] = {"type": "str", "default": name}
+        fields[f"{section}.dataset_path"] = {"type": "str", "default": None}
     return FieldTable(version, ERA.value, fields, open_sections=("quantize",))
+
+
+def _grain_sections(trainer_config: Any) -> list[str]:
+    """The project sections whose dataloader is main's Grain loader."""
+    return [
+        section
+        for section, path in batch_and_data.LOADERS.items()
+        if has_path(trainer_config, path)
+        and batch_and_data.grain_loader(get_path(trainer_config, path))
+    ]
 
 
 def base_config(name: str, flavor: str) -> Any:
@@ -266,20 +286,35 @@ def _text_pipeline(trainer_config: Any, dataset: str | None) -> None:
         HuggingFaceTokenizer,
         MultiModalTokenizer,
     )
-    from torchtitan.hf_datasets.text_datasets import (
-        DATASETS,
-        HuggingFaceTextDataLoader,
-    )
 
-    if dataset in DATASETS and isinstance(
+    if dataset in batch_and_data.datasets() and isinstance(
         trainer_config.tokenizer, MultiModalTokenizer.Config
     ):
         trainer_config.tokenizer = HuggingFaceTokenizer.Config()
-        trainer_config.dataloader = HuggingFaceTextDataLoader.Config()
+        trainer_config.dataloader = _text_loader(trainer_config.dataloader)
         spec = trainer_config.model_spec
         trainer_config.model_spec = dataclasses.replace(
             spec, parallelize_fn=functools.partial(_vision_frozen, spec.parallelize_fn)
         )
+
+
+def _text_loader(loader: Any) -> Any:
+    """Upstream's text dataloader config in place of a multimodal recipe's:
+    0.3.0's HuggingFaceTextDataLoader; main's Grain loader, its dataset packed
+    as upstream's text recipes pack theirs (set by translate)."""
+    if not batch_and_data.grain_loader(loader):
+        from torchtitan.hf_datasets.text_datasets import (  # pyrefly: ignore
+            HuggingFaceTextDataLoader,
+        )
+
+        return HuggingFaceTextDataLoader.Config()
+    from torchtitan.components.data import (  # pyrefly: ignore
+        ConcatThenSplitPackingConfig,
+        GrainDataLoader,
+    )
+
+    first = next(iter(batch_and_data.datasets().values()))
+    return GrainDataLoader.Config(dataset=ConcatThenSplitPackingConfig(dataset=first))
 
 
 def _vision_frozen(parallelize_fn: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -318,7 +353,8 @@ def check_runnable(job: Any, *, device_type: str, version: str) -> None:
     for section, loader in loaders:
         known = getattr(inspect.getmodule(type(loader)), "DATASETS", None)
         check_dataset_name(section, getattr(loader, "dataset", None), known)
-    parallelism, seq = job.parallelism, job.training.seq_len
+    parallelism = job.parallelism
+    seq = batch_and_data.sequence_batch(job)["training.seq_len"]
     sp = parallelism.enable_sequence_parallel and parallelism.tensor_parallel_degree
     cp = parallelism.context_parallel_degree
     divisor = (sp or 1) * (2 * cp if cp > 1 else 1)
@@ -408,10 +444,16 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
     trainer_config = _shaped(config, device_type)
     table = field_table(trainer_config, version)
     flat = {key: table.checked(key, value) for key, value in flatten(config).items()}
+    tokens = batch_and_data.counts_tokens(trainer_config)
+    grain = _grain_sections(trainer_config)
     for key, value in flat.items():
         section, _, leaf = key.partition(".")
         if key in _HANDLED or key in _READ_FIRST or section == "quantize":
             continue  # converters after every other key: they check the layout
+        if (tokens and key in batch_and_data.TOKEN_FIELDS) or (
+            section in grain and leaf in batch_and_data.DATA_KEYS
+        ):
+            continue  # set below, from several keys at once
         if section == "optimizer" and leaf in _OPTIMIZER_KWARGS:
             for group in trainer_config.optimizer.param_groups:
                 group.optimizer_kwargs[leaf] = value
@@ -424,6 +466,15 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
             [SECTION_RENAMES.get(section, section), leaf]
         )
         set_path(trainer_config, target, value)
+    if tokens:
+        batch_and_data.token_counts(trainer_config, flat)
+    for section in grain:
+        batch_and_data.grain_dataset(
+            get_path(trainer_config, batch_and_data.LOADERS[section]),
+            section,
+            flat.get(f"{section}.dataset"),
+            flat.get(f"{section}.dataset_path"),
+        )
     if flat.get("model.converters") or any(k.startswith("quantize.") for k in flat):
         from torchtitan_npu.converters import config_registry as converters
 

@@ -578,8 +578,11 @@ def _setting(translated: Any, table: FieldTable, section: str, key: str) -> Any:
     if isinstance(translated, dict):
         default = table.default(f"{section}.{key}")
         return translated.get(section, {}).get(key, default)
+    from torchtitan_npu.config.batch_and_data import TOKEN_FIELDS, sequence_batch
     from torchtitan_npu.config.config_registry import SECTION_RENAMES
 
+    if f"{section}.{key}" in TOKEN_FIELDS:  # main counts tokens instead
+        return sequence_batch(translated)[f"{section}.{key}"]
     return getattr(getattr(translated, SECTION_RENAMES.get(section, section)), key)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.models.rope import rope_length
 from torchtitan_npu.state_dict_adapters.mapping import (
     IDENTITY,
     Rule,
@@ -156,7 +157,7 @@ def _config_registry_attention(args: Any) -> Attention:
         norm_eps=args.norm.eps,
         rope=attn.rope,
         rope_theta=float(attn.rope.theta),
-        max_seq_len=attn.rope.max_seq_len,
+        max_seq_len=rope_length(attn.rope),
         tied=bool(getattr(args, "enable_weight_tying", False)),
     )
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.models.rope import rope_config, rope_length
 from torchtitan_npu.state_dict_adapters import decoder
 from torchtitan_npu.state_dict_adapters.decoder import (
     EXPERT_BIAS,
@@ -195,7 +196,7 @@ def _config_registry_facts(args):
         v_head_dim=attn.v_head_dim,
         norm_eps=args.norm.eps,
         rope_theta=float(rope.theta),
-        max_seq_len=rope.max_seq_len,
+        max_seq_len=rope_length(rope),
         yarn=rope.scaling == "yarn" and rope.rope_factor > 1.0,
         rope_factor=float(rope.rope_factor),
         original_seq_len=rope.original_seq_len,
@@ -352,9 +353,10 @@ def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
         return None
     shape = _shape(hf)
     dim = shape["dim"]
-    rope = ComplexRoPE.Config(
+    rope = rope_config(
+        ComplexRoPE.Config,
+        hf["max_position_embeddings"],
         dim=shape["qk_rope_head_dim"],
-        max_seq_len=hf["max_position_embeddings"],
         theta=float(hf["rope_theta"]),
     )
     mscale = 1.0

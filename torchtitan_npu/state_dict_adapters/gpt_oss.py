@@ -14,6 +14,7 @@ from typing import Any
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.errors import ConversionError
+from torchtitan_npu.models.rope import rope_config
 from torchtitan_npu.state_dict_adapters import decoder
 from torchtitan_npu.state_dict_adapters.decoder import attention_facts, base_hf_config
 from torchtitan_npu.state_dict_adapters.mapping import (
@@ -198,9 +199,10 @@ def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
     yarn = _rope(hf, problems)
     if problems:
         return None
-    rope = CosSinRoPE.Config(
+    rope = rope_config(
+        CosSinRoPE.Config,
+        hf["max_position_embeddings"],
         dim=hf["head_dim"],
-        max_seq_len=hf["max_position_embeddings"],
         theta=float(hf["rope_theta"]),
     )
     if yarn is not None:

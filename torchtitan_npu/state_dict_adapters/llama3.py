@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.models.rope import rope_config
 from torchtitan_npu.state_dict_adapters import decoder
 from torchtitan_npu.state_dict_adapters.decoder import (
     attention_facts,
@@ -147,9 +148,10 @@ def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     config = decoder.retarget("llama3", hf)
     config.lm_head.param_init = upstream._output_linear_init(dim)
-    rope = ComplexRoPE.Config(
+    rope = rope_config(
+        ComplexRoPE.Config,
+        hf["max_position_embeddings"],
         dim=dim // n_heads,
-        max_seq_len=hf["max_position_embeddings"],
         theta=float(hf["rope_theta"]),
         scaling="llama" if scaling else "none",
         **scaling,

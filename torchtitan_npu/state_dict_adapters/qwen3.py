@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.models.rope import rope_config
 from torchtitan_npu.state_dict_adapters import decoder
 from torchtitan_npu.state_dict_adapters.decoder import (
     attention_facts,
@@ -156,9 +157,10 @@ def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
         n_kv_heads=hf["num_key_value_heads"],
         head_dim=head_dim,
         attn_backend="flex",  # model_registry's default
-        rope=CosSinRoPE.Config(
+        rope=rope_config(
+            CosSinRoPE.Config,
+            hf["max_position_embeddings"],
             dim=head_dim,
-            max_seq_len=hf["max_position_embeddings"],
             theta=float(hf["rope_theta"]),
         ),
     )

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan_npu.compat.era import Era
+from torchtitan_npu.models.rope import rope_config
 from torchtitan_npu.state_dict_adapters import decoder
 from torchtitan_npu.state_dict_adapters.mapping import (
     Fused,
@@ -283,9 +284,10 @@ def _mrope(text: Mapping[str, Any], problems: list[str]) -> Any:
         )
         return None
     rotary_dim = round(text["head_dim"] * rope.get("partial_rotary_factor", 1.0))
-    return MRoPE.Config(
+    return rope_config(
+        MRoPE.Config,
+        text.get("max_position_embeddings", 262144),
         dim=rotary_dim,
-        max_seq_len=text.get("max_position_embeddings", 262144),
         theta=float(rope["rope_theta"]),
         mrope_section=list(rope.get("mrope_section", [11, 11, 10])),
     )

@@ -33,6 +33,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from torchtitan_npu.compat.era import Era
 from torchtitan_npu.models.qwen2.args import FLAVORS, Qwen2ModelArgs
+from torchtitan_npu.models.rope import rope_config
 
 _LINEAR_INIT: dict[str, Callable] = {
     "weight": partial(nn.init.normal_, std=0.02),
@@ -57,8 +58,8 @@ def _layer(args: Qwen2ModelArgs, attn_backend: str) -> Qwen3TransformerBlock.Con
         wqkv_param_init=_LINEAR_INIT,
         wo_param_init=_LINEAR_INIT,
         inner_attention=get_attention_config(attn_backend),
-        rope=CosSinRoPE.Config(
-            dim=head_dim, max_seq_len=args.max_seq_len, theta=args.rope_theta
+        rope=rope_config(
+            CosSinRoPE.Config, args.max_seq_len, dim=head_dim, theta=args.rope_theta
         ),
     )
     qkv = attention.qkv_linear
