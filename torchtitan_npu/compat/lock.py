@@ -23,7 +23,10 @@ LOCK_HEADER = """\
 # says why, and the wheel sha256 is the snapshot's identity).
 # docs/versioning_policy.md is generated from this file (`titan-npu compat docs`).
 """
-STATUSES = ("tested", "experimental")
+# tested: a release the whole matrix passed on; tracked: an upstream main
+# snapshot followed ahead of its release (CI runs a share; never the default);
+# experimental: a new entry `compat record` added, not verified yet.
+STATUSES = ("tested", "tracked", "experimental")
 UNKNOWN_COMMIT = "unknown"
 _HEX = re.compile(r"[0-9a-f]+")
 
@@ -40,6 +43,9 @@ class UpstreamEntry:
     status: str
     default: bool = False
     notes: str = ""
+    # How a user installs a snapshot PyPI does not have: a pip requirement
+    # (``torchtitan @ git+https://...@<commit>``); empty for PyPI releases.
+    source: str = ""
     fingerprints: dict[str, str] = field(default_factory=dict)
 
     def to_toml(self) -> dict:
@@ -52,6 +58,7 @@ class UpstreamEntry:
             "status": self.status,
             "default": self.default,
             "notes": self.notes,
+            **({"source": self.source} if self.source else {}),
             "fingerprints": dict(sorted(self.fingerprints.items())),
         }
 
@@ -165,6 +172,10 @@ def validate(entries: list[UpstreamEntry]) -> list[str]:
         if e.era not in list(Era):
             known = [era.value for era in Era]
             problems.append(f"{where}: unknown era {e.era!r} (known: {known})")
+        if e.default and e.status != "tested":
+            problems.append(f"{where}: the default entry must be tested ({e.status})")
+        if e.status == "tracked" and (e.commit == UNKNOWN_COMMIT or not e.source):
+            problems.append(f"{where}: a tracked snapshot needs its commit and source")
         if e.status not in STATUSES:
             problems.append(f"{where}: status {e.status!r} (known: {list(STATUSES)})")
         if e.commit != UNKNOWN_COMMIT and not _is_hex(e.commit, 40):

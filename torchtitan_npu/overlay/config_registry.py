@@ -360,10 +360,11 @@ QWEN3_5_TEXT_ONLY_BATCHES = Patch(
 )
 
 
-def _fla_call_site(qualname: str) -> Patch:
+def _fla_call_site(qualname: str, module: str, **releases: str) -> Patch:
+    suffix = "" if module == "model" else f"_{module}"
     return Patch(
-        name=f"qwen3_5_fla_{qualname.rsplit('.', 1)[-1].strip('_')}",
-        target=f"torchtitan.models.qwen3_5.model:{qualname}",
+        name=f"qwen3_5_fla_{qualname.rsplit('.', 1)[-1].strip('_')}{suffix}",
+        target=f"torchtitan.models.qwen3_5.{module}:{qualname}",
         kind="depend",
         reason=(
             "without flash-linear-attention, kernels/fla_standin.py answers for "
@@ -374,13 +375,21 @@ def _fla_call_site(qualname: str) -> Patch:
         upstream_ref="fla's kernels are Triton (CUDA); upstream has no other path",
         remove_when="upstream's Qwen3.5 has a kernel path that runs on CPU and NPU",
         apply=no_change,
+        **releases,
     )
 
 
-# Upstream's calls into fla, which the stand-in implements.
+# Upstream's calls into fla, which the stand-in implements; main moved the
+# gated delta net out of model.py into gdn.py (its inputs now [T, N, K]).
 FLA_CALL_SITES = [
-    _fla_call_site("GatedDeltaKernel.forward"),
-    _fla_call_site("_causal_conv1d_varlen"),
+    *(
+        _fla_call_site(qualname, "model", before="0.3.1")
+        for qualname in ("GatedDeltaKernel.forward", "_causal_conv1d_varlen")
+    ),
+    *(
+        _fla_call_site(qualname, "gdn", since="0.3.1")
+        for qualname in ("GatedDeltaKernel.forward", "_causal_conv1d_varlen")
+    ),
 ]
 
 _DISPATCHER = "torchtitan.models.common.token_dispatcher:AllToAllTokenDispatcher"

@@ -86,6 +86,7 @@ def record_installed() -> int:
             torch="",
             era=era,
             status="experimental",
+            notes="" if installed.commit else "compat record: not a git install",
         )
         entries.append(entry)
         print(
