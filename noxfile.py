@@ -10,6 +10,7 @@ the slow tests (tests/support.py FULL_SUITE)."""
 
 import os
 import shutil
+import subprocess
 import tempfile
 import tomllib
 import zipfile
@@ -46,27 +47,64 @@ OWN_DEPS = [
 ]
 
 
+# Upstream snapshots PyPI does not have (tracked entries): a folder of their
+# wheels, else their git source (GitHub).
+WHEELS_ENV = "TITAN_NPU_UPSTREAM_WHEELS"
+SHARED_WHEELS = ROOT.parent / "shared" / "upstream"
+
+
+def snapshot_wheels(session: nox.Session, entry: dict) -> list[str]:
+    """uv's options to find a tracked entry's wheel: the wheel folder (the
+    environment variable, or ../shared/upstream when present), else its git
+    source; where neither is reachable the session says so and skips."""
+    folder = Path(os.environ.get(WHEELS_ENV) or SHARED_WHEELS)
+    if any(folder.glob(f"torchtitan-{entry['version']}-*.whl")):
+        return ["--find-links", str(folder)]
+    url = entry["source"].split("git+", 1)[-1].rsplit("@", 1)[0]
+    try:
+        subprocess.run(
+            ["git", "ls-remote", url], check=True, timeout=30, capture_output=True
+        )
+        return []  # uv builds the locked commit from its git source
+    except (OSError, subprocess.SubprocessError):
+        pass
+    session.skip(
+        f"torchtitan {entry['version']} (upstream main {entry['commit'][:7]}): no "
+        f"wheel in {folder} and its git source is unreachable; set {WHEELS_ENV} to "
+        "a folder holding the snapshot wheel"
+    )
+    return []
+
+
 def upstream_env(session: nox.Session, version: str, extra: str = "") -> Path:
     """A cached venv with one locked upstream, its wheel hash-checked; with
     ``extra`` (a requirement such as "torchao==0.18.0"), a venv of its own
-    that has it too."""
+    that has it too. A tracked snapshot comes from its wheel folder
+    (hash-checked) or its git source (the locked commit)."""
     entry = next(e for e in LOCK if e["version"] == version)
     name = extra.split("==")[0] if extra else "upstream"
     env = ROOT / ".nox" / f"{name}-{version}"
     run = {"env": {"VIRTUAL_ENV": str(env)}, "external": True}
+    found = snapshot_wheels(session, entry) if entry.get("source") else []
     if not (env / "bin" / "python").exists():
         session.run("uv", "venv", "--quiet", "--python", PYTHON, str(env), **run)
-    requirement = env / "upstream-requirement.txt"
-    requirement.write_text(
-        f"torchtitan=={version} --hash=sha256:{entry['wheel_sha256']}\n"
-    )
     pip = ["uv", "pip", "install", "--quiet"]
-    # The upstream wheel must be byte-for-byte the locked one.
-    session.run(*pip, "--require-hashes", "--no-deps", "-r", str(requirement), **run)
+    requirement = env / "upstream-requirement.txt"
+    if entry.get("source") and not found:
+        pinned = entry["source"]  # the git source at the locked commit
+    else:
+        pinned = f"torchtitan=={version}"
+        requirement.write_text(f"{pinned} --hash=sha256:{entry['wheel_sha256']}\n")
+        # The upstream wheel must be byte-for-byte the locked one.
+        session.run(
+            *pip, *found, "--require-hashes", "--no-deps", "-r", str(requirement),
+            **run,
+        )  # fmt: skip
     session.run(
         *pip,
+        *found,
         f"torch=={entry['torch']}",
-        f"torchtitan=={version}",
+        pinned,
         *OWN_DEPS,
         *filter(None, [extra]),
         **run,

@@ -107,12 +107,16 @@ def requires_era(era: str):
 
 
 def newest_of_its_era() -> bool:
-    """Is the installed upstream the newest locked entry of its era?"""
+    """Is the installed upstream the newest tested entry of its era? (A
+    tracked upstream main snapshot runs CI's share only.)"""
     from torchtitan_npu.compat.lock import read_lock
+    from torchtitan_npu.overlay.registry import release
 
     installed = resolve_upstream()
-    same_era = [e for e in read_lock() if e.era == installed.era]
-    newest = max(same_era, key=lambda e: tuple(int(p) for p in e.version.split(".")))
+    same_era = [
+        e for e in read_lock() if e.era == installed.era and e.status == "tested"
+    ]
+    newest = max(same_era, key=lambda e: release(e.version))
     return installed.installed.version == newest.version
 
 

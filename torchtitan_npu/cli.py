@@ -282,6 +282,12 @@ def _compat_record(args: argparse.Namespace, rest: list[str]) -> int:
     return record_installed()
 
 
+def _compat_sync(args: argparse.Namespace, rest: list[str]) -> int:
+    from torchtitan_npu.tools.compat_sync import main
+
+    return main(args.candidate, quick=args.quick, write=args.record, out=args.report)
+
+
 def _compat_docs(args: argparse.Namespace, rest: list[str]) -> int:
     from torchtitan_npu.tools.versioning import write_docs
 
@@ -565,6 +571,27 @@ def build_parser() -> argparse.ArgumentParser:
     compat_commands.add_parser(
         "record", help="record the installed upstream's fingerprints in the lock"
     ).set_defaults(handler=_compat_record)
+    sync = compat_commands.add_parser(
+        "sync",
+        help="what a new upstream breaks: install it into a throwaway env, compare "
+        "every patch target, config field and model with the nearest locked "
+        "release, then run the checks there",
+    )
+    sync.add_argument(
+        "candidate",
+        help="a PyPI version (0.3.1), a wheel file, or a git source with a commit "
+        "(git+https://github.com/pytorch/torchtitan@<commit>)",
+    )
+    sync.add_argument(
+        "--record", action="store_true", help="write its upstream.lock entry and docs"
+    )
+    sync.add_argument(
+        "--quick",
+        action="store_true",
+        help="activation, compat check and a 2-step train only (no suite, no matrix)",
+    )
+    sync.add_argument("--report", help="where to write the markdown report")
+    sync.set_defaults(handler=_compat_sync)
     compat_commands.add_parser(
         "docs",
         help="regenerate docs/versioning_policy.md (upstream.lock) and "
