@@ -77,7 +77,7 @@ def field_table(trainer_config: Any, version: str) -> FieldTable:
     back = {v: k for k, v in _RENAMES.items()}
     sections = {v: k for k, v in SECTION_RENAMES.items()}
     taken = {"type": "any", "default": None}  # read before the key loop
-    fields = dict.fromkeys([*_HANDLED, *_READ_FIRST], taken)
+    fields: dict[str, dict[str, Any]] = dict.fromkeys([*_HANDLED, *_READ_FIRST], taken)
     for kwarg in _OPTIMIZER_KWARGS:
         group = trainer_config.optimizer.param_groups[0].optimizer_kwargs
         fields[f"optimizer.{kwarg}"] = {"type": "float", "default": group.get(kwarg)}

@@ -360,7 +360,9 @@ QWEN3_5_TEXT_ONLY_BATCHES = Patch(
 )
 
 
-def _fla_call_site(qualname: str, module: str, **releases: str) -> Patch:
+def _fla_call_site(
+    qualname: str, module: str, since: str | None = None, before: str | None = None
+) -> Patch:
     suffix = "" if module == "model" else f"_{module}"
     return Patch(
         name=f"qwen3_5_fla_{qualname.rsplit('.', 1)[-1].strip('_')}{suffix}",
@@ -375,7 +377,8 @@ def _fla_call_site(qualname: str, module: str, **releases: str) -> Patch:
         upstream_ref="fla's kernels are Triton (CUDA); upstream has no other path",
         remove_when="upstream's Qwen3.5 has a kernel path that runs on CPU and NPU",
         apply=no_change,
-        **releases,
+        since=since,
+        before=before,
     )
 
 

@@ -72,6 +72,7 @@ def config_fields(era: Any) -> dict[str, Any]:
 
         config = llama3_debugmodel()
     else:
+        # pyrefly: ignore[missing-module-attribute]  # 0.2.x only
         from torchtitan.config import JobConfig
 
         config = JobConfig()

@@ -120,6 +120,7 @@ class Env:
         """The venv, ``requirement`` installed with this torch and titan-npu's
         own dependencies; a SyncError carries the installer's gist."""
         import torch
+
         import torchtitan_npu
 
         if not self.python.exists():
