@@ -22,6 +22,9 @@ ROOT = Path(__file__).parent
 LOCK = tomllib.loads((ROOT / "upstream.lock").read_text())["upstream"]
 VERSIONS = [entry["version"] for entry in LOCK]
 DEFAULT = next(entry["version"] for entry in LOCK if entry["default"])
+DEFAULT_TORCH = next(entry["torch"] for entry in LOCK if entry["default"])
+# Tracked entries (upstream main): CI runs a share of the suite on them.
+TRACKED = [entry["version"] for entry in LOCK if entry["status"] == "tracked"]
 # The matrix's `upgrade` cell: the newest entry of the other era -> DEFAULT.
 _DEFAULT_ERA = next(e["era"] for e in LOCK if e["version"] == DEFAULT)
 UPGRADE_FROM = next(e["version"] for e in LOCK if e["era"] != _DEFAULT_ERA)
@@ -32,7 +35,8 @@ nox.options.sessions = [
     "tests",
     "dist",
     "npu_without_cann",
-    *(f"upstream(version='{v}')" for v in VERSIONS if v != DEFAULT),
+    *(f"upstream(version='{v}')" for v in VERSIONS if v not in (DEFAULT, *TRACKED)),
+    *(f"tracked(version='{v}')" for v in TRACKED),
     *(f"torchao(version='{v}')" for v in (DEFAULT, UPGRADE_FROM)),
     "matrix_ci",
 ]
@@ -45,6 +49,11 @@ OWN_DEPS = [
     "matplotlib>=3.8",
     "transformers>=4.57,<5",
 ]
+# The multimodal extra (torchvision) where an entry's torch is the default's:
+# upstream main's qwen3_5 and kimi recipes import it.
+MULTIMODAL = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+    "optional-dependencies"
+]["multimodal"]
 
 
 # Upstream snapshots PyPI does not have (tracked entries): a folder of their
@@ -106,6 +115,7 @@ def upstream_env(session: nox.Session, version: str, extra: str = "") -> Path:
         f"torch=={entry['torch']}",
         pinned,
         *OWN_DEPS,
+        *(MULTIMODAL if entry["torch"] == DEFAULT_TORCH else []),
         *filter(None, [extra]),
         **run,
     )
@@ -222,6 +232,27 @@ def upstream(session, version):
         env / "bin" / "pytest", "-n", "2", "--basetemp", str(basetemp),
         *session.posargs, external=True,
     )  # fmt: skip
+
+
+# CI's share on a tracked upstream (the same cells `titan-npu compat sync`
+# runs): the single-device reference, FSDP, TP, a resume across layouts,
+# fine-tuning an HF checkpoint. `nox -s upstream` / `full` run everything.
+TRACKED_MATRIX = "single,fsdp,tp,resume_fsdp_to_single,hf_finetune"
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize("version", TRACKED or [None])
+def tracked(session, version):
+    """CI's share on a tracked upstream: the unit tests, then the core matrix
+    cells."""
+    if version is None:
+        session.skip("upstream.lock has no tracked entry")
+    env = upstream_env(session, version)
+    session.run(
+        env / "bin" / "pytest", "-n", "2", "-q", "-m", "not e2e and not heavy",
+        *session.posargs, external=True,
+    )  # fmt: skip
+    run_matrix(session, {version: TRACKED_MATRIX}, [])
 
 
 # torchao runs upstream's float8 / MX / NVFP4 training; its emulated float8

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers
+from support import rows_forward
 
 from torchtitan_npu.state_dict_adapters import get_adapter
 from torchtitan_npu.state_dict_adapters import upstream_models as um
@@ -110,8 +111,7 @@ def native_logits(module: torch.nn.Module, tokens: torch.Tensor, era: str):
             return module(tokens, module.get_attention_masks(tokens, None))
         if not hasattr(module, "get_attention_masks"):  # titan-npu's qwen2
             return module(tokens)
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        return module(tokens, attention_masks=module.get_attention_masks(positions))
+        return rows_forward(module, tokens)
 
 
 def hf_logits(hf: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from torchtitan_npu.compat import resolve_upstream
 from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS, read_scalars
@@ -143,3 +144,22 @@ def full_suite_only(why: str):
     """A slow test whose behaviour CI's share already sees elsewhere (`why`
     says where); `nox -s full` runs it."""
     return pytest.mark.skipif(not FULL_SUITE, reason=why)
+
+
+def rows_forward(module, tokens, **kwargs):
+    """A 0.3-era model's logits ``[rows, seq, vocab]`` for ``tokens`` of shape
+    ``[rows, seq]``, one document a row, fed as the installed upstream's
+    trainer feeds it: rows with masks (0.3.0), or one row of packed documents
+    with their positions (upstream main)."""
+    from torchtitan_npu.config.batch_and_data import counts_tokens
+
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    if not counts_tokens():
+        masks = module.get_attention_masks(positions)
+        return module(tokens, attention_masks=masks, positions=positions, **kwargs)
+    rows, packed = tokens.shape, positions.reshape(-1)
+    masks = module.get_attention_masks(packed)
+    logits = module(
+        tokens.reshape(-1), attention_masks=masks, positions=packed, **kwargs
+    )
+    return logits.reshape(*rows, -1)

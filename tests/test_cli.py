@@ -87,7 +87,9 @@ def test_version_names_upstream_lock_entry_torch_and_device(upstream):
     lines = dict(line.split(None, 1) for line in result.stdout.splitlines())
     assert set(lines) == {"titan-npu", "torchtitan", "torch", "torch_npu", "device"}
     entry = upstream.entry
-    assert lines["torchtitan"].startswith(f"{entry.version} (upstream.lock: tested")
+    assert lines["torchtitan"].startswith(
+        f"{entry.version} (upstream.lock: {entry.status}"
+    )
     assert f"commit {entry.commit}" in lines["torchtitan"]
     assert lines["device"].split()[0] in ("npu", "cuda", "cpu")
 

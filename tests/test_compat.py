@@ -48,6 +48,17 @@ FIRST_TABLE = "\n[[upstream]]\n"
         (SOUND.replace('status = "tested"', 'state = "tested"', 1), "unknown field"),
         (SOUND.replace('= "387c88a407094fa7"', '= "387c"', 1), "16 hex digits"),
         (re.sub(r'notes = "the config-registry.*', 'notes = ""', SOUND), "in notes"),
+        (
+            re.sub(r'\nsource = "torchtitan @ git[^\n]*', "", SOUND),
+            "needs its commit and source",
+        ),
+        (
+            SOUND.replace("default = true", "default = false").replace(
+                'status = "tracked"\ndefault = false',
+                'status = "tracked"\ndefault = true',
+            ),
+            "the default entry must be tested (tracked)",
+        ),
         ("# nothing\n", "no [[upstream]] entries"),
         (b"\xff\xfe", "not valid TOML"),
     ],

@@ -95,18 +95,23 @@ def test_a_config_without_a_model_trains_upstreams_default(tmp_path, monkeypatch
 
 
 @requires_era("config_registry")
-def test_config_registry_translation(upstream):
+def test_config_registry_translation(upstream, tmp_path):
     from torchtitan.distributed.activation_checkpoint import FullAC
 
+    from torchtitan_npu.config import batch_and_data
     from torchtitan_npu.config.config_registry import translate
 
-    config = load_toml(DEFAULT_CONFIG)
-    config["training"]["dataset_path"] = "/data/corpus"
+    config = resolve(None, ["--training.dataset", "c4_test"])
+    config["training"]["dataset_path"] = str(tmp_path)
     config["activation_checkpoint"]["mode"] = "full"
     config["optimizer"]["lr"] = 1e-3
     trainer = translate(config, version=upstream.installed.version, device_type="cpu")
     assert trainer.training.steps == config["training"]["steps"]
-    assert trainer.dataloader.dataset_path == "/data/corpus"
+    loader = trainer.dataloader
+    if batch_and_data.grain_loader(loader):  # upstream main: a dataset config
+        assert batch_and_data.inner_dataset(loader.dataset).source.path == str(tmp_path)
+    else:
+        assert loader.dataset_path == str(tmp_path)
     assert trainer.dump_folder == config["job"]["dump_folder"]
     assert trainer.debug.seed == 42 and trainer.debug.deterministic is True
     assert isinstance(trainer.activation_checkpoint, FullAC.Config)
@@ -158,7 +163,7 @@ def test_selective_ac_option_keeps_its_0_2_meaning(upstream, mode, option, wrapp
     from torchtitan_npu.config.config_registry import translate
     from torchtitan_npu.distributed.activation_checkpoint import LayerAC
 
-    config = load_toml(DEFAULT_CONFIG)
+    config = resolve(None, [])
     config["activation_checkpoint"] = {"mode": mode, "selective_ac_option": option}
     ac = translate(
         config, version=upstream.installed.version, device_type="cpu"
@@ -259,3 +264,50 @@ def test_resolve_normalizes_and_the_checks_only_read(tmp_path, monkeypatch):
     before = copy.deepcopy(config)
     preflight.check(config, world_size=1, launch="1 x 1")
     assert config == before
+
+
+@requires_era("config_registry")
+@pytest.mark.parametrize("pp", [1, 2])
+def test_the_projects_batch_keys_mean_the_same_tokens_on_every_shape(upstream, pp):
+    """training.local_batch_size x seq_len per DP rank, split into PP
+    microbatches, global_batch_size sequences a step: read back from the
+    Trainer.Config as 0.3.0 holds them or as main's token counts."""
+    from torchtitan_npu.config import batch_and_data
+    from torchtitan_npu.config.config_registry import translate
+
+    batch = {
+        "training.seq_len": 64,
+        "training.local_batch_size": 4,
+        "training.global_batch_size": 8,
+        "parallelism.pipeline_parallel_microbatch_size": 2 if pp > 1 else 1,
+    }
+    overrides = [f"--{key}={value}" for key, value in batch.items()]
+    overrides += [f"--parallelism.pipeline_parallel_degree={pp}"]
+    config = resolve(None, overrides)
+    trainer = translate(config, version=upstream.installed.version, device_type="cpu")
+    got = batch_and_data.sequence_batch(trainer)
+    if pp == 1:  # no microbatches: one forward takes the local batch
+        got["parallelism.pipeline_parallel_microbatch_size"] = 1
+    assert got == batch
+    if batch_and_data.counts_tokens():
+        training = trainer.training
+        assert training.max_context_length == 64
+        assert training.num_tokens_per_microbatch_per_dp_rank == 64 * (
+            2 if pp > 1 else 4
+        )
+        assert training.num_tokens_per_train_step == 8 * 64
+        if pp > 1:
+            assert trainer.parallelism.num_pp_microbatches == 2
+
+
+@requires_era("config_registry")
+def test_upstreams_own_token_counts_and_the_projects_keys_are_not_mixed(upstream):
+    from torchtitan_npu.config import batch_and_data
+    from torchtitan_npu.config.config_registry import translate
+
+    if not batch_and_data.counts_tokens():
+        pytest.skip("this upstream has no token-count batch fields")
+    config = resolve(None, ["--training.seq_len=64"])
+    config["training"]["num_tokens_per_train_step"] = 4096
+    with pytest.raises(ConfigError, match="both set the batch"):
+        translate(config, version=upstream.installed.version, device_type="cpu")

@@ -14,7 +14,14 @@ import types
 import pytest
 import torch
 from hf_support import native_model
-from support import FULL_SUITE, LOSS, heavy_except, requires_newest_of_era, warm_train
+from support import (
+    FULL_SUITE,
+    LOSS,
+    heavy_except,
+    requires_newest_of_era,
+    rows_forward,
+    warm_train,
+)
 
 from torchtitan_npu import converters
 from torchtitan_npu.bootstrap import activate, deactivate
@@ -108,8 +115,7 @@ def forward_backward(module, era: str):
     if era == "trainspec":
         logits = module(tokens)
     else:
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        logits = module(tokens, attention_masks=module.get_attention_masks(positions))
+        logits = rows_forward(module, tokens)
     logits.float().pow(2).mean().backward()
     grads = {
         n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None

@@ -15,9 +15,10 @@ import torch.distributed.checkpoint as dcp
 import transformers
 from hf_support import as_hf_deepseek
 from safetensors.torch import save_file
-from support import requires_era
+from support import requires_era, rows_forward
 
 from torchtitan_npu.bootstrap import activate, deactivate
+from torchtitan_npu.config.batch_and_data import counts_tokens
 from torchtitan_npu.state_dict_adapters import architecture, convert, get_adapter
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 from torchtitan_npu.state_dict_adapters.upstream_adapter import adapter_class
@@ -313,13 +314,8 @@ def test_logits_match_transformers(flavor):
         tokens = torch.randint(
             0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1)
         )
-        positions = torch.arange(48).expand_as(tokens)
         with torch.no_grad():
-            ours = model(
-                tokens,
-                attention_masks=model.get_attention_masks(positions),
-                positions=positions,
-            )
+            ours = rows_forward(model, tokens)
             theirs = hf(input_ids=tokens).logits
     tolerance = 1e-5 if flavor == "debugmodel" else 3e-4  # MoE: routing sums
     assert (ours - theirs).abs().max() <= tolerance * theirs.abs().max()
@@ -423,9 +419,8 @@ def test_kimi_text_logits_match_transformers(tmp_path):
         tokens = torch.randint(
             0, 2000, (2, 32), generator=torch.Generator().manual_seed(1)
         )
-        positions = torch.arange(32).expand_as(tokens)
         with torch.no_grad():
-            ours = model(tokens, attention_masks=model.get_attention_masks(positions))
+            ours = rows_forward(model, tokens)
             theirs = loaded(input_ids=tokens).logits
     # upstream's GroupedExperts compute in bf16 (as deepseek_v3's, see
     # docs/hf_checkpoints.md [1])
@@ -445,25 +440,36 @@ def image_batch(sizes: list[tuple[int, int]], patch: int):
     return patches, padded, grid
 
 
+def encoded(encoder, images: list, grid: torch.Tensor) -> list:
+    """Each image's merged features (2 x 2 patches a token), the images
+    encoded as one batch: zero-padded rows (0.3.0), or one packed patch
+    sequence (upstream main)."""
+    merged = [count // 4 for count in grid.prod(-1).tolist()]
+    if counts_tokens():
+        return list(encoder(torch.cat(images), grid_thw=grid).split(merged))
+    padded = torch.nn.utils.rnn.pad_sequence(images, batch_first=True)
+    out = encoder(padded, grid_thw=grid)
+    return [out[i, :m] for i, m in enumerate(merged)]
+
+
 @pytest.mark.parametrize("model", ["kimi_k2_7", "qwen3_5"])
 def test_images_in_one_batch_encode_as_each_alone(model):
     """The vision towers on CPU (their block mask built eagerly by the
     overlay: the compiled builder's CPU code does not compile): each image of
-    a padded batch gets the features it gets alone."""
+    a batch gets the features it gets alone."""
     args = kimi_args() if model == "kimi_k2_7" else small("debugmodel")
     with one_device():
         encoder = initialised(args).vision_encoder
         grid = torch.tensor([[1, 8, 12], [1, 4, 6]])  # [t, h, w] in patches
         counts = grid.prod(-1).tolist()
         g = torch.Generator().manual_seed(0)
-        padded = torch.randn(2, counts[0], encoder.patch_embed.in_features, generator=g)
-        padded[1, counts[1] :] = 0
+        pixels = torch.randn(2, counts[0], encoder.patch_embed.in_features, generator=g)
+        images = [pixels[i, :count] for i, count in enumerate(counts)]
         with torch.no_grad():
-            batch = encoder(padded, grid_thw=grid)
-            for i, count in enumerate(counts):
-                alone = encoder(padded[i : i + 1, :count], grid_thw=grid[i : i + 1])
-                merged = count // 4  # 2 x 2 patches per token
-                torch.testing.assert_close(batch[i, :merged], alone[0, :merged])
+            batch = encoded(encoder, images, grid)
+            for i, image in enumerate(images):
+                alone = encoded(encoder, [image], grid[i : i + 1])[0]
+                torch.testing.assert_close(batch[i], alone)
 
 
 @pytest.mark.skipif(

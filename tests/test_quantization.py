@@ -8,8 +8,8 @@ import pytest
 from support import requires_era, train
 
 from torchtitan_npu.compat import resolve_upstream
-from torchtitan_npu.config import DEFAULT_CONFIG, ConfigError, era_config
-from torchtitan_npu.config.schema import apply_overrides, load_toml
+from torchtitan_npu.config import ConfigError, era_config, resolve
+from torchtitan_npu.config.schema import apply_overrides
 from torchtitan_npu.tools.scalars import LOSS
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
@@ -19,7 +19,7 @@ FLOAT8 = "quantize.linear.float8"
 def translate(overrides: dict):
     """The installed era's translation of the default config with ``overrides``."""
     installed = resolve_upstream()
-    config = load_toml(DEFAULT_CONFIG)
+    config = resolve(None, [])
     apply_overrides(config, overrides)
     return era_config(installed.era).translate(
         config, version=installed.installed.version, device_type="cpu"

@@ -10,10 +10,12 @@ from support import (
     full_suite_only,
     requires_era,
     requires_newest_of_era,
+    rows_forward,
     warm_train,
 )
 
 from torchtitan_npu.bootstrap import activate, deactivate
+from torchtitan_npu.config.batch_and_data import counts_tokens
 
 
 @pytest.fixture
@@ -34,9 +36,7 @@ def test_gpt_oss_trains_in_fp32_on_one_device(overlay):
     model = model_registry("debugmodel", attn_backend="flex").model.build()
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
-    tokens = torch.randint(0, 2000, (1, 32))
-    masks = model.get_attention_masks(torch.arange(32).expand_as(tokens))
-    logits = model(tokens, attention_masks=masks)
+    logits = rows_forward(model, torch.randint(0, 2000, (1, 32)))
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     logits.mean().backward()
     experts = [n for n, p in model.named_parameters() if "mlp1_weight" in n]
@@ -186,8 +186,7 @@ def test_gpt_oss_varlen_on_cpu_matches_its_flex_flavor(overlay):
     tokens = torch.randint(0, 2000, (2, 32), generator=torch.Generator().manual_seed(1))
     logits = {}
     for backend, model in models.items():
-        masks = model.get_attention_masks(torch.arange(32).expand_as(tokens))
-        logits[backend] = model(tokens, attention_masks=masks)
+        logits[backend] = rows_forward(model, tokens)
     logits["varlen"].mean().backward()
     scale = logits["flex"].abs().max()
     per_token = (logits["varlen"] - logits["flex"]).abs().amax(-1).flatten() / scale
@@ -213,17 +212,21 @@ def test_qwen3_5_trains_on_cpu_and_packed_documents_stay_apart(overlay):
         with torch.no_grad():
             model.init_weights(buffer_device=torch.device("cpu"))
         generator = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, 2000, (1, 96), generator=generator)
-        positions = torch.cat([torch.arange(40), torch.arange(56)])[None]
+        tokens = torch.randint(0, 2000, (96,), generator=generator)
+        positions = torch.cat([torch.arange(40), torch.arange(56)])
+        rows = not counts_tokens()  # 0.3.0: a batch of rows, here one
 
         def logits(tokens, positions):
+            if rows:
+                tokens, positions = tokens[None], positions[None]
             masks = model.get_attention_masks(positions)
-            return model(tokens, attention_masks=masks, positions=positions)
+            out = model(tokens, attention_masks=masks, positions=positions)
+            return out[0] if rows else out
 
         packed = logits(tokens, positions)
-        alone = logits(tokens[:, 40:], positions[:, 40:])
+        alone = logits(tokens[40:], positions[40:])
         scale = alone.abs().max()
-        assert (packed[:, 40:] - alone).abs().max() <= 1e-4 * scale
+        assert (packed[40:] - alone).abs().max() <= 1e-4 * scale
         packed.mean().backward()
         linear = model.layers["0"].attn  # a GatedDeltaNet
         for p in (linear.A_log, linear.dt_bias, linear.conv_q.weight):

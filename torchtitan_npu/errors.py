@@ -34,6 +34,10 @@ class UntestedUpstreamError(UserError):
     """The installed torchtitan has no upstream.lock entry."""
 
 
+class SyncError(UserError):
+    """A `compat sync` candidate that cannot be installed or compared."""
+
+
 class PlanError(UserError):
     """A memory plan that cannot be made: a bad memory size, an unknown
     device, a layout the planner cannot simulate."""

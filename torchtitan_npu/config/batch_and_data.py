@@ -18,6 +18,8 @@ from its version. docs/train_configs.md shows the mapping.
 """
 
 import dataclasses
+import functools
+import inspect
 from typing import Any
 
 from torchtitan_npu.config.schema import ConfigError
@@ -34,10 +36,16 @@ DATA_KEYS = ("dataset", "dataset_path")
 LOADERS = {"training": "dataloader", "validation": "validator.dataloader"}
 
 
-def counts_tokens(trainer_config: Any) -> bool:
-    """Whether upstream's TrainingConfig counts tokens (main) rather than
-    sequences (0.3.0)."""
-    return hasattr(trainer_config.training, "max_context_length")
+@functools.cache
+def counts_tokens() -> bool:
+    """Whether upstream's TrainingConfig counts tokens rather than sequences
+    (0.3.0); such an upstream (main) feeds its model one row of packed
+    documents, ``[tokens]`` with per-document positions, not ``[rows, seq]``."""
+    from torchtitan.config import TrainingConfig
+
+    return any(
+        f.name == "max_context_length" for f in dataclasses.fields(TrainingConfig)
+    )
 
 
 def grain_loader(loader: Any) -> bool:
@@ -50,7 +58,7 @@ def sequence_batch(trainer_config: Any) -> dict[str, int]:
     """The project's batch keys as upstream's config holds them (0.3.0: its
     own fields; main: derived from the token counts)."""
     training, parallelism = trainer_config.training, trainer_config.parallelism
-    if not counts_tokens(trainer_config):
+    if not counts_tokens():
         return {
             "training.local_batch_size": training.local_batch_size,
             "training.global_batch_size": training.global_batch_size,
@@ -59,16 +67,18 @@ def sequence_batch(trainer_config: Any) -> dict[str, int]:
                 parallelism.pipeline_parallel_microbatch_size
             ),
         }
-    seq = training.max_context_length
-    pipelined = parallelism.pipeline_parallel_degree > 1
-    microbatches = parallelism.num_pp_microbatches if pipelined else 1
+    seq, count = training.max_context_length, parallelism.num_pp_microbatches
     per_forward = training.num_tokens_per_microbatch_per_dp_rank // seq
+    if parallelism.pipeline_parallel_degree > 1:
+        local, size = per_forward * count, per_forward
+    else:  # one forward takes it all; with PP it would split into `count`
+        local, size = per_forward, max(1, per_forward // count)
     total = training.num_tokens_per_train_step
     return {
-        "training.local_batch_size": per_forward * microbatches,
+        "training.local_batch_size": local,
         "training.global_batch_size": total // seq if total > 0 else total,
         "training.seq_len": seq,
-        "parallelism.pipeline_parallel_microbatch_size": per_forward,
+        "parallelism.pipeline_parallel_microbatch_size": size,
     }
 
 
@@ -77,6 +87,10 @@ def set_token_counts(trainer_config: Any, batch: dict[str, int]) -> None:
     takes a microbatch (with PP) or the local batch (without) of ``seq_len``
     tokens; a step takes ``global_batch_size`` sequences."""
     training, parallelism = trainer_config.training, trainer_config.parallelism
+    for key, value in batch.items():  # main's own checks would name its fields
+        if value <= 0 and not (key == "training.global_batch_size" and value == -1):
+            either = "-1 or " if key == "training.global_batch_size" else ""
+            raise ConfigError(f"{key} must be {either}greater than 0 (it is {value})")
     seq, local = batch["training.seq_len"], batch["training.local_batch_size"]
     size = batch["parallelism.pipeline_parallel_microbatch_size"]
     if parallelism.pipeline_parallel_degree > 1:
@@ -107,12 +121,25 @@ def token_counts(trainer_config: Any, flat: dict[str, Any]) -> None:
         )
     if own:
         return
-    batch = sequence_batch(trainer_config) | {k: flat[k] for k in project}
+    given = {key: flat[key] for key in project}
+    batch = sequence_batch(trainer_config) | given
+    size = "parallelism.pipeline_parallel_microbatch_size"
+    if "training.local_batch_size" in given and size not in given:
+        # main's default is a count of microbatches (num_pp_microbatches), not
+        # a size: a new local batch splits into as many as the recipe's
+        count = trainer_config.parallelism.num_pp_microbatches
+        batch[size] = max(1, given["training.local_batch_size"] // count)
     set_token_counts(trainer_config, batch)
 
 
-def datasets() -> dict[str, Any]:
-    """Upstream's text datasets by name (both shapes keep them here)."""
+def datasets(loader: Any = None) -> dict[str, Any]:
+    """Upstream's datasets by name that a dataloader config reads: the
+    ``DATASETS`` beside its class (0.3.0) or its collator's (main: flux's
+    images), else the text datasets (both shapes keep them in one place)."""
+    for part in (loader, getattr(loader, "collator", None)):
+        known = getattr(inspect.getmodule(type(part)), "DATASETS", None)
+        if part is not None and isinstance(known, dict):
+            return known
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
     return DATASETS
@@ -124,10 +151,10 @@ def inner_dataset(dataset: Any) -> Any:
     return dataset if inner is None else inner_dataset(inner)
 
 
-def dataset_name(dataset: Any) -> str | None:
-    """The ``DATASETS`` name of a recipe's (packed) dataset config."""
-    inner = inner_dataset(dataset)
-    return next((name for name, d in datasets().items() if d is inner), None)
+def dataset_name(loader: Any) -> str | None:
+    """The ``DATASETS`` name of a Grain loader's (packed) dataset config."""
+    inner = inner_dataset(loader.dataset)
+    return next((name for name, d in datasets(loader).items() if d is inner), None)
 
 
 def relocated(dataset: Any, path: str | None) -> Any:
@@ -153,14 +180,14 @@ def repacked(dataset: Any, inner: Any) -> Any:
 def grain_dataset(loader: Any, section: str, name: Any, path: Any) -> None:
     """Point a Grain dataloader config at ``DATASETS[name]`` (the recipe's
     own when None) in ``path``, inside the recipe's packing."""
-    known = datasets()
+    known = datasets(loader)
     if name is None:
-        name = dataset_name(loader.dataset)
+        name = dataset_name(loader)
         if name is None:  # a recipe's own dataset (multimodal): left as it is
             if path:
                 raise ConfigError(
-                    f"{section}.dataset_path is set but this recipe's dataset is not "
-                    f"one of upstream's text datasets; also set --{section}.dataset "
+                    f"{section}.dataset_path is set but this recipe's dataset is "
+                    f"none of upstream's named ones; also set --{section}.dataset "
                     f"({', '.join(known)})"
                 )
             return

@@ -93,12 +93,12 @@ def field_table(trainer_config: Any, version: str) -> FieldTable:
         key = back.get(path) or f"{sections.get(section, section)}.{leaf}"
         kind = describe(field_type(trainer_config, path))
         fields[key] = {"type": kind, "default": plain(value)}
-    if batch_and_data.counts_tokens(trainer_config):
+    if batch_and_data.counts_tokens():
         for key, value in batch_and_data.sequence_batch(trainer_config).items():
             fields[key] = {"type": "int", "default": value}
     for section in grain:
         loader = get_path(trainer_config, batch_and_data.LOADERS[section])
-        name = batch_and_data.dataset_name(loader.dataset)
+        name = batch_and_data.dataset_name(loader)
         fields[f"{section}.dataset"] = {"type": "str", "default": name}
         fields[f"{section}.dataset_path"] = {"type": "str", "default": None}
     return FieldTable(version, ERA.value, fields, open_sections=("quantize",))
@@ -112,6 +112,11 @@ def _grain_sections(trainer_config: Any) -> list[str]:
         if has_path(trainer_config, path)
         and batch_and_data.grain_loader(get_path(trainer_config, path))
     ]
+
+
+def upstream_defaults() -> Any:
+    """Upstream's own train config as its llama3 debug recipe builds it."""
+    return base_config("llama3", "debugmodel")
 
 
 def base_config(name: str, flavor: str) -> Any:
@@ -340,7 +345,6 @@ def check_runnable(job: Any, *, device_type: str, version: str) -> None:
     Every 0.3.x attention backend has a CPU path, so ``device_type`` adds
     nothing."""
     import copy
-    import inspect
 
     from torchtitan_npu.config.preflight import check_dataset_name
 
@@ -351,7 +355,7 @@ def check_runnable(job: Any, *, device_type: str, version: str) -> None:
         [("validation", job.validator.dataloader)] if job.validator.enable else []
     )
     for section, loader in loaders:
-        known = getattr(inspect.getmodule(type(loader)), "DATASETS", None)
+        known = batch_and_data.datasets(loader)
         check_dataset_name(section, getattr(loader, "dataset", None), known)
     parallelism = job.parallelism
     seq = batch_and_data.sequence_batch(job)["training.seq_len"]
@@ -444,7 +448,7 @@ def translate(config: dict[str, Any], *, version: str, device_type: str) -> Any:
     trainer_config = _shaped(config, device_type)
     table = field_table(trainer_config, version)
     flat = {key: table.checked(key, value) for key, value in flatten(config).items()}
-    tokens = batch_and_data.counts_tokens(trainer_config)
+    tokens = batch_and_data.counts_tokens()
     grain = _grain_sections(trainer_config)
     for key, value in flat.items():
         section, _, leaf = key.partition(".")

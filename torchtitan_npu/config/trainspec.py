@@ -88,6 +88,14 @@ def known_models() -> list[str]:
     )
 
 
+def upstream_defaults() -> Any:
+    """Upstream's own train config: ``JobConfig`` with its defaults."""
+    # pyrefly: ignore[missing-module-attribute]  # 0.2.x only
+    from torchtitan.config import JobConfig
+
+    return JobConfig()
+
+
 def field_table(defaults: Any, version: str) -> FieldTable:
     """The train config keys of ``JobConfig`` (``defaults``: an instance),
     with their types and upstream's defaults; the legacy [debug] keys where
@@ -111,10 +119,7 @@ def fields_of(
     config: dict[str, Any], *, version: str, device_type: str | None = None
 ) -> FieldTable:
     """The field table ``translate`` checks ``config``'s keys against."""
-    # pyrefly: ignore[missing-module-attribute]  # 0.2.x only
-    from torchtitan.config import JobConfig
-
-    return field_table(JobConfig(), version)
+    return field_table(upstream_defaults(), version)
 
 
 def translate(

@@ -104,17 +104,18 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 
 def document_per_row(create: Any) -> Any:
     """0.3's ``create_varlen_metadata_for_document`` for fake positions of a
-    plan's batch (one document per row, which the plan makes): computed on
-    real positions of that shape, as fake ones have no values to find the
-    documents in (``nonzero``)."""
+    plan's batch: computed on real positions of that shape, one document per
+    row (0.3.0's ``[rows, seq]``; main's packed ``[tokens]`` is one row), as
+    fake ones have no values to find the documents in (``nonzero``). Varlen
+    attention's memory does not depend on where documents start."""
     from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
     def planned(positions: torch.Tensor, **kwargs: Any) -> Any:
         if not isinstance(positions, FakeTensor):
             return create(positions, **kwargs)
-        rows, length = positions.shape
         with unset_fake_temporarily():
-            return create(torch.arange(length).expand(rows, length), **kwargs)
+            rows = torch.arange(positions.shape[-1]).expand(positions.shape)
+            return create(rows, **kwargs)
 
     return planned
 

@@ -11,6 +11,7 @@ import torch
 # pyrefly: ignore[missing-import]  # 0.3.x only
 from torchtitan.trainer import Trainer
 
+from torchtitan_npu.config.batch_and_data import counts_tokens, sequence_batch
 from torchtitan_npu.plan.estimate import materialize
 
 # Overlay records applied while a plan is computed: expert parallelism routes
@@ -106,26 +107,31 @@ def tie_weights(part: Any) -> None:
 
 
 def seq_len(trainer: Any) -> int:
-    return trainer.config.training.seq_len
+    return sequence_batch(trainer.config)["training.seq_len"]
 
 
 def batch(trainer: Any, batch_size: int) -> tuple[dict[str, torch.Tensor], Any]:
-    """One microbatch of the configured shape: tokens and their positions (one
-    document per row)."""
+    """One microbatch of the configured shape: ``batch_size`` documents of
+    ``seq_len`` tokens with their positions, as rows (0.3.0) or packed into
+    one token row (upstream main's collator)."""
     length, vocab = seq_len(trainer), trainer.model_config.vocab_size
     tokens = torch.randint(0, vocab, (batch_size, length + 1), device=trainer.device)
     positions = torch.arange(length, device=trainer.device).expand(batch_size, -1)
-    return {"input": tokens[:, :-1], "positions": positions}, tokens[:, 1:]
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    if counts_tokens():
+        inputs, labels, positions = (t.reshape(-1) for t in (inputs, labels, positions))
+    return {"input": inputs, "positions": positions}, labels
 
 
 def microbatches(trainer: Any) -> tuple[int, int]:
     """(batch size of one forward, forwards per step) as upstream's Trainer
     splits the local batch."""
-    training, parallelism = trainer.config.training, trainer.config.parallelism
+    shape = sequence_batch(trainer.config)
+    local = shape["training.local_batch_size"]
     if trainer.parallel_dims.pp_enabled:
-        size = parallelism.pipeline_parallel_microbatch_size
-        return size, training.local_batch_size // size
-    return training.local_batch_size, 1
+        size = shape["parallelism.pipeline_parallel_microbatch_size"]
+        return size, local // size
+    return local, 1
 
 
 def forward_backward(trainer: Any, inputs: list, labels: list, tokens: Any) -> None:

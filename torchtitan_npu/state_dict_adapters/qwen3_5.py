@@ -297,7 +297,12 @@ def _config_registry_args(hf: Mapping[str, Any], problems: list[str]) -> Any:
     """Qwen35Model.Config: upstream's layers and vision encoder (its inits)
     with config.json's shapes."""
     import torchtitan.models.qwen3_5 as upstream
-    from torchtitan.models.qwen3_5.model import OffsetRMSNorm, RMSNormGated
+    from torchtitan.models.qwen3_5.model import OffsetRMSNorm
+
+    try:  # upstream main keeps the gated delta net's parts in gdn.py
+        from torchtitan.models.qwen3_5.gdn import RMSNormGated  # pyrefly: ignore
+    except ImportError:
+        from torchtitan.models.qwen3_5.model import RMSNormGated  # pyrefly: ignore
 
     moe = hf.get("model_type") == "qwen3_5_moe"
     problems += _missing(hf, moe)

@@ -61,21 +61,13 @@ def defined_in(name: str) -> list[str]:
 
 
 def config_fields(era: Any) -> dict[str, Any]:
-    """Upstream's own train config fields, ``path -> {type, default}``: the
-    llama3 debug recipe's Trainer.Config (0.3-era), JobConfig (0.2.x)."""
-    from torchtitan_npu.compat.era import Era
+    """Upstream's own train config fields, ``path -> {type, default}``, as
+    the era's ``upstream_defaults`` builds them."""
+    from torchtitan_npu.config import era_config
     from torchtitan_npu.config.field_table import plain
     from torchtitan_npu.config.fields import describe, field_type, get_path, leaf_paths
 
-    if era == Era.CONFIG_REGISTRY:
-        from torchtitan.models.llama3.config_registry import llama3_debugmodel
-
-        config = llama3_debugmodel()
-    else:
-        # pyrefly: ignore[missing-module-attribute]  # 0.2.x only
-        from torchtitan.config import JobConfig
-
-        config = JobConfig()
+    config = era_config(era).upstream_defaults()
     fields = {}
     for path in leaf_paths(config):
         if path.startswith("model_spec."):

@@ -36,16 +36,12 @@ from torchtitan_npu.compat import (
     read_lock,
     write_lock,
 )
-from torchtitan_npu.errors import LockError, UsageError, UserError
+from torchtitan_npu.errors import LockError, SyncError, UsageError
 from torchtitan_npu.overlay.registry import release
 
 PROBE = "torchtitan_npu.tools.compat_probe"
 # CI's matrix share on a tracked upstream (noxfile.py TRACKED_MATRIX).
 MATRIX_CELLS = "single,fsdp,tp,resume_fsdp_to_single,hf_finetune"
-
-
-class SyncError(UserError):
-    """A candidate that cannot be installed or compared."""
 
 
 @dataclasses.dataclass(frozen=True)

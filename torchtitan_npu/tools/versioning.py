@@ -43,15 +43,32 @@ API eras:
 Notes:
 {notes}
 
-## Syncing to a new upstream release
+Statuses: `tested` — a release the whole suite and matrix pass on (one is the
+default, the one `uv sync` installs); `tracked` — an upstream main snapshot
+(its commit, the wheel built from it, the git `source` it installs from):
+CI runs the unit tests and the core matrix cells on it (`nox -s tracked`),
+`nox -s full` everything; never the default; `experimental` — recorded, not
+yet tested.
 
-1. Install it beside titan-npu (`uv pip install torchtitan==X`).
-2. `titan-npu compat check` — shows every patch target: ok, drifted or missing.
-3. Read each drifted target's upstream diff; adapt or retire the patch.
-4. `titan-npu compat record` — records the new fingerprints in upstream.lock
-   (a new version enters as `experimental`: fill in `wheel_sha256`, `torch`).
-5. `nox -s upstream` (and the matrix) on the new entry; mark it `tested`.
-6. `titan-npu compat docs` — regenerates this page.
+## Syncing to a new upstream
+
+1. `titan-npu compat sync CANDIDATE` (a PyPI version, a wheel file, or
+   `git+https://github.com/pytorch/torchtitan@<commit>`): installs it into a
+   throwaway env (its hash recorded) and reports, against the nearest tested
+   release, every patch target unchanged / changed (with the diff) / missing
+   (and where the name went), the train config fields added, removed and
+   renamed, the models and flavors; then activation, `compat check`, a
+   2-step train, the unit tests and the core matrix cells there (`--quick`:
+   the first three). `--report PATH` writes the markdown too.
+2. Adapt what changed: a record bounded to releases, a shape read from
+   upstream's config classes (docs/architecture.md).
+3. `titan-npu compat sync CANDIDATE --record` — writes its entry (fingerprints,
+   commit, hash) into upstream.lock and regenerates this page; a snapshot
+   with a commit (git, or a wheel built from one) enters as `tracked`, a
+   PyPI release as `experimental`.
+4. `nox -s "upstream(version='VERSION')"` and `nox -s matrix -- --upstream
+   VERSION` on the new entry; mark a release `tested`.
+5. `titan-npu compat docs` — regenerates this page.
 """
 
 

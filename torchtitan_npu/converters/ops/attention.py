@@ -128,22 +128,25 @@ def _attention_bnsd(kernel, original):
 
 
 def _attention_blnh(kernel, original):
-    """0.3.x FlexAttention: (batch, seq, heads, head_dim) in and out."""
+    """0.3-era FlexAttention: (batch, seq, heads, head_dim) in and out (0.3.0),
+    or one packed row, (tokens, heads, head_dim) (upstream main)."""
 
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, **kwargs):
+    def forward(self, q, k, v, **kwargs):
         if _unsupported(kwargs):
-            return original.forward(self, q_BLNH, k_BLNH, v_BLNH, **kwargs)
-        mask = dense_mask(kwargs["attention_masks"])
-        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+            return original.forward(self, q, k, v, **kwargs)
+        packed = q.ndim == 3
+        if packed:  # TNH -> a batch of one
+            q, k, v = (t.unsqueeze(0) for t in (q, k, v))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = kernel(
             q,
             k,
             v,
-            mask=mask,
+            mask=dense_mask(kwargs["attention_masks"]),
             scale=kwargs.get("scale"),
             enable_gqa=kwargs.get("enable_gqa", False),
-        )
-        return out.transpose(1, 2)
+        ).transpose(1, 2)
+        return out.squeeze(0) if packed else out
 
     return {"forward": forward}
 
