@@ -5,6 +5,7 @@ q, k, v: (batch, heads, seq, head_dim). mask None = causal, else a boolean
 """
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -129,26 +130,32 @@ def _attention_bnsd(kernel, original):
 
 def _attention_blnh(kernel, original):
     """0.3-era FlexAttention: (batch, seq, heads, head_dim) in and out (0.3.0),
-    or one packed row, (tokens, heads, head_dim) (upstream main)."""
+    or one packed row, (tokens, heads, head_dim) (upstream main). The
+    replacement keeps upstream's argument names: its local_map reads them."""
 
-    def forward(self, q, k, v, **kwargs):
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, **kwargs):
         if _unsupported(kwargs):
-            return original.forward(self, q, k, v, **kwargs)
-        packed = q.ndim == 3
-        if packed:  # TNH -> a batch of one
-            q, k, v = (t.unsqueeze(0) for t in (q, k, v))
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            return original.forward(self, q_BLNH, k_BLNH, v_BLNH, **kwargs)
+        mask = dense_mask(kwargs["attention_masks"])
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
         out = kernel(
             q,
             k,
             v,
-            mask=dense_mask(kwargs["attention_masks"]),
+            mask=mask,
             scale=kwargs.get("scale"),
             enable_gqa=kwargs.get("enable_gqa", False),
-        ).transpose(1, 2)
-        return out.squeeze(0) if packed else out
+        )
+        return out.transpose(1, 2)
 
-    return {"forward": forward}
+    def forward_packed(self, q_TNH, k_TNH, v_TNH, **kwargs):
+        if _unsupported(kwargs):
+            return original.forward(self, q_TNH, k_TNH, v_TNH, **kwargs)
+        q, k, v = (t.unsqueeze(0) for t in (q_TNH, k_TNH, v_TNH))
+        return forward(self, q, k, v, **kwargs).squeeze(0)
+
+    packed = "q_TNH" in inspect.signature(original.forward).parameters
+    return {"forward": forward_packed if packed else forward}
 
 
 _ATTENTION_02 = "torchtitan.models.attention"
