@@ -403,3 +403,81 @@ def test_gpt_oss_mxfp4_blocks_without_scales_are_named(gpt_oss_mxfp4, tmp_path):
     with pytest.raises(ConversionError, match=f"has no '{key}'"):
         convert.from_hf(broken, tmp_path / "dcp", "gpt_oss", progress=False)
     assert not (tmp_path / "dcp").exists()
+
+
+def _transformers_classes():
+    from torchtitan_npu.state_dict_adapters import ADAPTERS
+
+    for adapter in ADAPTERS.values():
+        for model_type in adapter.model_types:
+            if adapter.name == "kimi_k2_7" and model_type == "deepseek_v3":
+                continue  # Moonlight: read with deepseek_v3's table
+            try:
+                config = transformers.AutoConfig.for_model(model_type)
+            except (KeyError, ValueError):
+                continue  # a model type this transformers lacks (qwen3_5, kimi)
+            yield pytest.param(adapter, model_type, type(config), id=model_type)
+
+
+@pytest.mark.parametrize("adapter, model_type, cls", list(_transformers_classes()))
+def test_each_family_table_matches_transformers_config_class(adapter, model_type, cls):
+    """Every argument of transformers' config class is inert, required, has
+    the transformers default in the family's table, or has a default that
+    changes nothing (``neutral``): an omitted field is never guessed."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters.values()
+    class_defaults = {
+        p.name: p.default for p in params if p.default is not inspect.Parameter.empty
+    }
+    table = adapter.defaults_of(model_type)
+    problems = []
+    for name, default in class_defaults.items():
+        if name in architecture.INERT or name in adapter.required:
+            continue
+        if name in table:
+            if default is None and callable(table[name]):
+                continue  # derived from the other fields, as in the class's __init__
+            ours = table[name]
+            ours = ours(class_defaults) if callable(ours) else ours
+            if not architecture._same(ours, default) and not (
+                name == "mlp_only_layers" and not ours and not default
+            ):
+                problems.append(f"{name}: table {ours!r}, transformers {default!r}")
+        elif name in adapter.neutral:
+            if not adapter.neutral[name](default, class_defaults):
+                problems.append(
+                    f"{name}: transformers' default {default!r} is not neutral"
+                )
+        else:
+            problems.append(f"{name}: in no table (transformers' default {default!r})")
+    assert not problems, f"{cls.__name__}: {problems}"
+
+
+def test_a_field_the_native_model_has_and_config_json_omits_is_named():
+    args = architecture.um.model_args("llama3", "debugmodel", convert.current_era())
+    native = architecture.exported("llama3", args, convert.current_era())
+    native = {**native, "some_new_field": 3}
+    source = architecture.with_defaults(
+        "llama3", {k: v for k, v in native.items() if k != "some_new_field"}
+    )
+    found = architecture.problems("llama3", source, native)
+    assert found == [
+        "config.json has no 'some_new_field' (the native model has 3 and titan-npu "
+        "does not know transformers' default): add it"
+    ]
+
+
+def test_transformers5_rope_parameters_read_as_theta_and_scaling():
+    """transformers 5 writes ``rope_parameters``; the 4.x fields it replaces
+    derive the same model, and a changed norm eps is never a registered flavor."""
+    era = convert.current_era()
+    args = architecture.um.model_args("llama3", "debugmodel", era)
+    old = architecture.exported("llama3", args, era)
+    new = {k: v for k, v in old.items() if k not in ("rope_theta", "rope_scaling")}
+    new["rope_parameters"] = {"rope_theta": old["rope_theta"], **old["rope_scaling"]}
+    assert architecture.resolve("llama3", None, new, era)[0] == "debugmodel"
+    unscaled = {**new, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    assert architecture.resolve("llama3", None, unscaled, era)[0] == "hf"
+    for eps in ({"rms_norm_eps": 1e-6}, {"rms_norm_eps": 1e-6, "rope_scaling": None}):
+        assert architecture.resolve("llama3", None, {**old, **eps}, era)[0] == "hf"

@@ -57,7 +57,11 @@ INERT = frozenset(
 def with_defaults(model: str, hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json with the HF class defaults of the fields it omits (and
     ``rope_scaling`` of type "default", which scales nothing, as none)."""
-    filled = _filled(get_adapter(model).hf_defaults, hf_config)
+    adapter = get_adapter(model)
+    defaults = adapter.defaults_of(hf_config.get("model_type"))
+    if "rope_parameters" not in defaults:
+        hf_config = _rope_as_scaling(hf_config)
+    filled = _filled(defaults, hf_config)
     scaling = filled.get("rope_scaling")
     if isinstance(scaling, Mapping) and _normalized(scaling).get("rope_type") in (
         "default",
@@ -69,6 +73,20 @@ def with_defaults(model: str, hf_config: Mapping[str, Any]) -> dict[str, Any]:
     if "head_dim" in filled and filled["head_dim"] is None and "hidden_size" in filled:
         filled["head_dim"] = filled["hidden_size"] // filled["num_attention_heads"]
     return filled
+
+
+def _rope_as_scaling(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """transformers 5 writes ``rope_parameters`` (the theta with the scaling)
+    where 4.x wrote ``rope_theta`` and ``rope_scaling``: the 4.x fields, for
+    a family whose native config.json uses them."""
+    parameters = config.get("rope_parameters")
+    if not isinstance(parameters, Mapping) or "rope_theta" not in parameters:
+        return config
+    out = {k: v for k, v in config.items() if k != "rope_parameters"}
+    scaling = {k: v for k, v in parameters.items() if k != "rope_theta"}
+    out["rope_theta"] = parameters["rope_theta"]
+    out["rope_scaling"] = scaling or None
+    return out
 
 
 def _filled(defaults: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,7 +119,11 @@ def _field_problems(
     model: str, source: Mapping[str, Any], native: Mapping[str, Any], prefix: str
 ) -> list[str]:
     adapter = get_adapter(model)
-    found = []
+    found = [
+        f"config.json has no {prefix + key!r} (the native model has {native[key]!r} "
+        "and titan-npu does not know transformers' default): add it"
+        for key in sorted(native.keys() - source.keys() - INERT)
+    ]
     for key in sorted(source):
         value, name = source[key], prefix + key
         if key in INERT or key == "quantization_config":  # see quantization.py

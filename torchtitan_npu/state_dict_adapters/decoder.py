@@ -227,7 +227,9 @@ NEUTRAL = {
     "use_sliding_window": lambda value, _: value is False,
     "sliding_window": _no_sliding_window,
     "max_window_layers": _no_sliding_window,
-    "layer_types": lambda value, _: all(t == "full_attention" for t in value),
+    "layer_types": lambda value, _: (
+        value is None or all(t == "full_attention" for t in value)
+    ),
 }
 
 

@@ -425,11 +425,18 @@ ADAPTER = ModelAdapter(
         "n_shared_experts": 1,
         "q_lora_rank": 1536,
         "max_position_embeddings": 4096,
+        "num_nextn_predict_layers": 0,  # transformers builds no MTP layers
+        "head_dim": lambda hf: hf.get("qk_rope_head_dim", 64),  # as transformers'
     },
     required=REQUIRED,
     neutral={
         "attention_dropout": lambda value, _: value == 0,
         "pretraining_tp": lambda value, _: value == 1,
+        # MLA: every head has its own keys and values (kv_b_proj), whatever
+        # config.json says
+        "num_key_value_heads": lambda value, hf: (
+            value in (None, hf.get("num_attention_heads"))
+        ),
         "moe_layer_freq": lambda value, _: value == 1,
         # what HF's DeepseekV3 always does
         "scoring_func": lambda value, _: value == "sigmoid",

@@ -441,7 +441,9 @@ class ModelAdapter:
 
     The way back (``architecture.derive``): config.json's ``model_type`` is
     one of `model_types`; `hf_defaults` are the HF config class's values of
-    fields config.json may omit (a callable: the default given config.json);
+    fields config.json may omit (a callable: the default given config.json),
+    `type_defaults[model_type]` those that differ for one of the model types
+    (both checked against transformers' config classes by the tests);
     `required` the fields it may not; each
     `neutral[field](value, config)` says the value changes nothing (a
     sub-config's field as ``text_config.field``, given the sub-config);
@@ -457,6 +459,7 @@ class ModelAdapter:
     hf_config: Callable[[Any, Era, Mapping[str, TensorInfo]], dict]
     model_types: tuple[str, ...] = ()
     hf_defaults: Mapping[str, Any] = field(default_factory=dict)
+    type_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     required: tuple[str, ...] = ()
     neutral: Mapping[str, Callable[[Any, Mapping], bool]] = field(default_factory=dict)
     native_args: Mapping[Era, Callable[[Mapping, list[str]], Any]] = field(
@@ -464,6 +467,10 @@ class ModelAdapter:
     )
     unties: bool = False
     eras: tuple[Era, ...] = tuple(Era)
+
+    def defaults_of(self, model_type: Any) -> dict[str, Any]:
+        """The HF config class's defaults for `model_type`'s omitted fields."""
+        return {**self.hf_defaults, **self.type_defaults.get(model_type, {})}
 
     def keymap(self, era: Era, hf_config: Mapping) -> KeyMap:
         return KeyMap(self.rules(era, hf_config))

@@ -109,6 +109,7 @@ ADAPTER = ModelAdapter(
         "rope_theta": 10000.0,
         "max_position_embeddings": 32768,
         "use_sliding_window": False,
+        "num_key_value_heads": 32,  # Qwen2Config's (None: num_attention_heads)
     },
     required=decoder.REQUIRED,
     neutral={**decoder.NEUTRAL, "use_mrope": lambda value, _: value is False},

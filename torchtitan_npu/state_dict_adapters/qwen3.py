@@ -199,6 +199,15 @@ ADAPTER = ModelAdapter(
         "norm_topk_prob": False,  # Qwen3MoeConfig's
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
+        "num_key_value_heads": 32,  # Qwen3Config's (None: num_attention_heads)
+    },
+    type_defaults={  # Qwen3MoeConfig's
+        "qwen3_moe": {
+            "num_key_value_heads": 4,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+        }
     },
     required=decoder.REQUIRED,
     neutral={
