@@ -96,6 +96,37 @@ def test_overwritten_bytes_fail_the_crc_of_a_training_checkpoint(
     )
 
 
+def test_overwritten_bytes_fail_the_checksums_of_a_conversion(hf_dir, native, tmp_path):
+    """titan-npu's own writes carry no zip CRC32: the CRC32 of each tensor,
+    recorded beside the data files, refuses a damaged one."""
+    ours, _ = native
+    corrupt = copy_tree(ours, tmp_path / "corrupt")
+    victim = max(corrupt.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    middle = len(raw) // 2
+    raw[middle : middle + 16] = bytes(b ^ 0xFF for b in raw[middle : middle + 16])
+    victim.write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    refused(
+        lambda: convert.to_hf(corrupt, out, "llama3", progress=False),
+        "fail the CRC32 recorded in titan_npu_checksums.json",
+        out,
+    )
+    convert.to_hf(ours, tmp_path / "fine", "llama3", progress=False)
+
+
+@pytest.mark.parametrize("size", ["0", "0.1B", 0, -5])
+def test_a_shard_size_below_one_byte_is_one_line(native, tmp_path, size):
+    from torchtitan_npu.errors import UsageError
+
+    ours, _ = native
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match="give a positive size") as error:
+        convert.to_hf(ours, out, "llama3", max_shard_size=size, progress=False)
+    assert "\n" not in str(error.value)
+    assert not out.exists()
+
+
 def test_destination_problems_are_one_line(hf_dir, native, tmp_path):
     (tmp_path / "file").write_text("x")
     out = tmp_path / "file" / "sub" / "out"

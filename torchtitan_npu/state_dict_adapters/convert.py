@@ -23,7 +23,7 @@ import torch
 
 from torchtitan_npu import interrupts
 from torchtitan_npu.compat.era import Era
-from torchtitan_npu.errors import Interrupted
+from torchtitan_npu.errors import Interrupted, UsageError
 from torchtitan_npu.state_dict_adapters import architecture, get_adapter, quantization
 from torchtitan_npu.state_dict_adapters import upstream_models as um
 from torchtitan_npu.state_dict_adapters.mapping import (
@@ -192,6 +192,16 @@ def to_hf(
     (from-hf's provenance, the training run's config) or takes `hf_config`
     (a config.json or the source HF directory). `fp8_like_source` writes the
     source's block-wise FP8 (its own scales where it is still there)."""
+    limit = (
+        parse_size(max_shard_size)
+        if isinstance(max_shard_size, str)
+        else max_shard_size
+    )
+    if limit <= 0:
+        raise UsageError(
+            f"--max-shard-size {max_shard_size}: a shard holds at least one "
+            "tensor; give a positive size such as 5GB"
+        )
     era = era or current_era()
     adapter = get_adapter(model)
     source = NativeCheckpoint(checkpoint)
@@ -226,11 +236,6 @@ def to_hf(
             else:
                 kept = out_dtype if i.dtype.is_floating_point else i.dtype
                 plan.append((k, TensorInfo(i.shape, kept)))
-    limit = (
-        parse_size(max_shard_size)
-        if isinstance(max_shard_size, str)
-        else max_shard_size
-    )
     total = sum(i.nbytes for _, i in plan)
     bar = Progress("to-hf", total, progress)
     start = time.perf_counter()

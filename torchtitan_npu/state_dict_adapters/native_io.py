@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import io
+import json
 import pickle
 import struct
 import warnings
@@ -34,6 +35,17 @@ from torchtitan_npu.state_dict_adapters.mapping import (
     ConversionError,
     TensorInfo,
 )
+
+# Written beside the DCP files by titan-npu's own writes (from-hf, migrate),
+# whose records carry no zip CRC32: each tensor's CRC32, checked on read.
+CHECKSUMS = "titan_npu_checksums.json"
+
+
+def tensor_crc32(tensor: torch.Tensor) -> int:
+    """CRC32 of a tensor's bytes (row-major)."""
+    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    # pyrefly: ignore[bad-argument-type]  # numpy arrays are buffers
+    return zlib.crc32(memoryview(flat.numpy()))
 
 
 class NativeCheckpoint:
@@ -68,6 +80,7 @@ class NativeCheckpoint:
         problems = _missing_data(self.path, metadata)
         if problems:
             raise ConversionError(f"native checkpoint {path}", problems)
+        self.checksums = _read_checksums(self.path)
 
     def read(self, key: str) -> torch.Tensor:
         """One tensor: its records read straight into place when they are
@@ -83,6 +96,15 @@ class NativeCheckpoint:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "no process group": one reader
                 dcp.load({key: tensor}, storage_reader=self._reader)
+        expected = self.checksums.get(key)
+        if expected is not None and tensor_crc32(tensor) != expected:
+            raise ConversionError(
+                f"native checkpoint {self.path}",
+                [
+                    f"{key}: its bytes fail the CRC32 recorded in {CHECKSUMS} "
+                    "when it was written (a corrupted data file)"
+                ],
+            )
         return tensor
 
     def read_object(self, key: str) -> object:
@@ -131,6 +153,20 @@ class NativeCheckpoint:
                 sizes,
                 flat[start : start + nbytes],
             )
+
+
+def _read_checksums(path: Path) -> dict[str, int]:
+    """key -> CRC32 from the checksum file, {} where there is none."""
+    file = path / CHECKSUMS
+    if not file.is_file():
+        return {}
+    try:
+        sums = json.loads(file.read_text())["crc32"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise ConversionError(
+            f"native checkpoint {path}", [f"{CHECKSUMS}: {e}"]
+        ) from None
+    return {str(k): int(v) for k, v in sums.items()}
 
 
 def _why_not(path: Path) -> str:
@@ -331,6 +367,13 @@ def write_native(
     `objects` (steps, hyper-parameters, data positions: saved as DCP saves
     non-tensor state)."""
     objects = objects or {}
+    sums: dict[str, int] = {}
+
+    def made(key: str) -> torch.Tensor:
+        tensor = make(key)
+        sums[key] = tensor_crc32(tensor)
+        return tensor
+
     planned: dict[str, object] = {
         k: torch.empty(i.shape, dtype=i.dtype, device="meta") for k, i in layout.items()
     }
@@ -343,8 +386,9 @@ def write_native(
         )
         warnings.simplefilter("ignore")
         dcp.save(
-            planned, storage_writer=writer, planner=_StreamingPlanner(make, objects)
+            planned, storage_writer=writer, planner=_StreamingPlanner(made, objects)
         )
+    (path / CHECKSUMS).write_text(json.dumps({"crc32": sums}, sort_keys=True))
 
 
 @contextlib.contextmanager
