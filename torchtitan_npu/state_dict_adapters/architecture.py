@@ -38,6 +38,7 @@ INERT = frozenset(
         "bos_token_id",
         "dtype",
         "eos_token_id",
+        "image_token_id",
         "ep_size",
         "initializer_range",
         "max_position_embeddings",
@@ -50,6 +51,9 @@ INERT = frozenset(
         "torch_dtype",
         "transformers_version",
         "use_cache",
+        "video_token_id",
+        "vision_end_token_id",
+        "vision_start_token_id",
     }
 )
 
@@ -78,11 +82,13 @@ def with_defaults(model: str, hf_config: Mapping[str, Any]) -> dict[str, Any]:
 def _rope_as_scaling(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """transformers 5 writes ``rope_parameters`` (the theta with the scaling)
     where 4.x wrote ``rope_theta`` and ``rope_scaling``: the 4.x fields, for
-    a family whose native config.json uses them."""
-    parameters = config.get("rope_parameters")
+    a family whose native config.json uses them (5.x also writes its
+    parameters, theta included, as ``rope_scaling``)."""
+    name = "rope_parameters" if "rope_parameters" in config else "rope_scaling"
+    parameters = config.get(name)
     if not isinstance(parameters, Mapping) or "rope_theta" not in parameters:
         return config
-    out = {k: v for k, v in config.items() if k != "rope_parameters"}
+    out = {k: v for k, v in config.items() if k != name}
     scaling = {k: v for k, v in parameters.items() if k != "rope_theta"}
     out["rope_theta"] = parameters["rope_theta"]
     out["rope_scaling"] = scaling or None

@@ -437,6 +437,8 @@ ADAPTER = ModelAdapter(
         "num_key_value_heads": lambda value, hf: (
             value in (None, hf.get("num_attention_heads"))
         ),
+        # transformers 5's MTP count: its model builds no MTP layers either
+        "num_mtp_layers": lambda value, _: True,
         "moe_layer_freq": lambda value, _: value == 1,
         # what HF's DeepseekV3 always does
         "scoring_func": lambda value, _: value == "sigmoid",

@@ -333,6 +333,8 @@ ADAPTER = ModelAdapter(
         # unread by transformers' GptOss: the release's own names of known facts
         "experts_per_token": lambda value, hf: value == hf.get("num_experts_per_tok"),
         "initial_context_length": lambda value, hf: True,
+        # transformers 5's name for the SwiGLU slope upstream fixes at 1.702
+        "swiglu_alpha": lambda value, _: value == 1.702,
     },
     native_args={
         Era.TRAINSPEC: _trainspec_args,

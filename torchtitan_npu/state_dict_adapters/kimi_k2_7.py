@@ -121,7 +121,12 @@ ADAPTER = ModelAdapter(
     rules,
     hf_config,
     model_types=("kimi_k25", "deepseek_v3"),  # Moonlight: a DeepSeek-V3
-    hf_defaults={"tie_word_embeddings": False},
+    hf_defaults={  # transformers 5's Kimi_K25Config
+        "tie_word_embeddings": True,
+        "projection_hidden_size": 1152,
+    },
+    # upstream's projector LayerNorm eps
+    neutral={"projection_layer_norm_eps": lambda value, _: value == 1e-5},
     required=("text_config", "vision_config"),
     eras=(Era.CONFIG_REGISTRY,),  # no 0.2.x torchtitan has kimi_k2_7
 )
