@@ -99,7 +99,7 @@ CONVERTERS: dict[str, Converter] = {}
 
 def register(converter: Converter) -> Converter:
     if converter.name in CONVERTERS:
-        raise ValueError(f"converter {converter.name!r} is already registered")
+        raise RuntimeError(f"converter {converter.name!r} is already registered")
     CONVERTERS[converter.name] = converter
     return converter
 

@@ -159,7 +159,7 @@ def _conv(x, weight, bias, activation, cu_seqlens):
     if activation in ("silu", "swish"):
         out = F.silu(out)
     elif activation is not None:
-        raise ValueError(f"causal_conv1d activation {activation!r}: silu or None")
+        raise RuntimeError(f"causal_conv1d activation {activation!r}: silu or None")
     return (out,)
 
 

@@ -128,7 +128,7 @@ def _apply_qwen2(target: Target, ctx: PatchContext) -> list[Change]:
     # so that reverting the overlay unregisters it.
     specs = dict(target.owner._extra_train_specs)
     if "qwen2" in specs:
-        raise ValueError("TrainSpec qwen2 is already registered.")
+        raise RuntimeError("TrainSpec qwen2 is already registered.")
     specs["qwen2"] = train_spec()
     return [Change(target.owner, "_extra_train_specs", specs)]
 
@@ -160,7 +160,7 @@ def _apply_converters(target: Target, ctx: PatchContext) -> list[Change]:
     ours = model_converter_classes(ctx.device_type)
     taken = sorted(set(registry) & set(ours))
     if taken:
-        raise ValueError(f"model converters {taken} are already registered.")
+        raise RuntimeError(f"model converters {taken} are already registered.")
     registry.update(ours)
     return [Change(target.owner, "_registry_model_converter_cls", registry)]
 
