@@ -46,6 +46,7 @@ def main(mode: str) -> None:
     peak = next(iter(memory.get_tracker_snapshot("peak").values()))
     if dist.get_rank() == 0:
         print(json.dumps({str(k): v for k, v in peak.items()}))
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -116,6 +116,7 @@ def main(out: Path) -> None:
             ).item(),
         }
         out.write_text(json.dumps(result))
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 
 
