@@ -57,3 +57,45 @@ def test_bad_step_range_is_an_error(text):
 def test_missing_run_is_an_error(tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
         compare(tmp_path / "nope", tmp_path / "nope")
+
+
+def test_computational_mode_holds_the_accuracy_thresholds(tmp_path, capsys):
+    """First-step loss abs < 0.005 and rel < 0.5%, mean loss error abs < 0.01
+    and rel < 1%, mean grad_norm rel error <= 10%: each limit decides alone."""
+    baseline = {1: 8.0, 2: 7.0, 3: 6.0}
+    write_launch(tmp_path / "b" / "tb" / "x", baseline)
+
+    def judged(name: str, losses: dict[int, float], norms=None) -> int:
+        writer = SummaryWriter(str(tmp_path / name / "tb" / "x"))
+        for step, loss in losses.items():
+            writer.add_scalar(LOSS, loss, step)
+            norm = baseline[step] / 8 if norms is None else norms[step]
+            writer.add_scalar(GRAD_NORM, norm, step)
+        writer.close()
+        return compare(tmp_path / name, tmp_path / "b", mode="computational")
+
+    near = {1: 8.004, 2: 7.009, 3: 6.009}  # every error just inside
+    assert judged("near", near) == 0
+    out = capsys.readouterr().out
+    assert out.count("pass") == 3 and "FAIL" not in out
+    assert judged("first", {1: 8.006, 2: 7.0, 3: 6.0}) == 1  # abs 0.006 at step 1
+    assert "first-step loss        FAIL" in capsys.readouterr().out
+    assert judged("mean", {1: 8.0, 2: 7.02, 3: 6.02}) == 1  # mean abs 0.0133
+    assert "mean loss error        FAIL" in capsys.readouterr().out
+    norms = {s: baseline[s] / 8 * 1.11 for s in baseline}  # 11% off
+    assert judged("norm", baseline, norms) == 1
+    assert "mean grad_norm error   FAIL" in capsys.readouterr().out
+    assert judged("same", baseline, {s: baseline[s] / 8 * 1.09 for s in baseline}) == 0
+
+
+def test_computational_mode_refuses_bitwise_tolerances(tmp_path):
+    write_launch(tmp_path / "a" / "tb" / "x", {1: 8.0})
+    with pytest.raises(UsageError, match="computational has its own thresholds"):
+        compare(tmp_path / "a", tmp_path / "a", mode="computational", rtol=1e-3)
+
+
+def test_computational_mode_fails_on_a_step_one_run_lacks(tmp_path, capsys):
+    write_launch(tmp_path / "a" / "tb" / "x", {1: 8.0, 2: 7.0})
+    write_launch(tmp_path / "b" / "tb" / "x", {1: 8.0})
+    assert compare(tmp_path / "a", tmp_path / "b", mode="computational") == 1
+    assert "MISSING steps [2]" in capsys.readouterr().out

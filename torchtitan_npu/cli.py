@@ -608,6 +608,15 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("run_b", help="dump folder (or TensorBoard folder) of run B")
     compare.add_argument("--rtol", type=float, default=0.0, help="0: bitwise")
     compare.add_argument("--atol", type=float, default=0.0, help="0: bitwise")
+    compare.add_argument(
+        "--mode",
+        choices=("bitwise", "computational"),
+        default="bitwise",
+        help="bitwise (default; or --rtol/--atol): for changes that must not move "
+        "the numbers; computational: the accuracy-debug thresholds (first-step "
+        "loss abs < 0.005 and rel < 0.5%%, mean loss error abs < 0.01 and rel < "
+        "1%%, mean grad_norm rel error <= 10%%) for a kernel or device change",
+    )
     compare.add_argument("--steps", help="compare only steps A-B (e.g. 5-8)")
     compare.add_argument("--plot", help="write a PNG of both curves here")
     compare.set_defaults(handler=_loss_compare)

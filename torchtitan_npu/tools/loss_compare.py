@@ -5,6 +5,12 @@ reports, per tag, the first differing step and the largest absolute and
 relative difference, and exits non-zero on a mismatch: bitwise by default, or
 within the given tolerances. stdout's 5 printed digits are not enough to tell
 two runs apart; the event files hold the exact float32 values.
+
+``--mode computational`` judges a change that is allowed to move the numbers
+(a fused kernel, another device) by the accuracy-debug thresholds instead
+(``COMPUTATIONAL``): the first step's loss, the per-step loss error on
+average, and the per-step grad_norm relative error on average. Run B is the
+baseline the relative errors are taken against.
 """
 
 import argparse
@@ -15,6 +21,25 @@ from torchtitan_npu.errors import UsageError
 from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS, read_scalars
 
 TAGS = (LOSS, GRAD_NORM)
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """One accuracy criterion: a statistic below ``abs_limit`` and ``rel_limit``
+    (None: not judged). ``strict`` is ``<``; otherwise ``<=``."""
+
+    name: str
+    abs_limit: float | None
+    rel_limit: float | None
+    strict: bool = True
+
+
+# The accuracy-debug skill's limits for a computational change.
+COMPUTATIONAL = (
+    Threshold("first-step loss", 0.005, 0.005),
+    Threshold("mean loss error", 0.01, 0.01),
+    Threshold("mean grad_norm error", None, 0.10, strict=False),
+)
 
 
 @dataclass(frozen=True)
@@ -65,6 +90,68 @@ def compare_runs(
     a, b = read_scalars(run_a, TAGS), read_scalars(run_b, TAGS)
     return [
         compare_series(t, a[t], b[t], rtol=rtol, atol=atol, steps=steps) for t in TAGS
+    ]
+
+
+@dataclass(frozen=True)
+class Judgement:
+    threshold: Threshold
+    steps: list[int]
+    abs_error: float
+    rel_error: float
+
+    @property
+    def ok(self) -> bool:
+        t = self.threshold
+
+        def within(value: float, limit: float | None) -> bool:
+            return limit is None or (value < limit if t.strict else value <= limit)
+
+        return within(self.abs_error, t.abs_limit) and within(
+            self.rel_error, t.rel_limit
+        )
+
+    def line(self) -> str:
+        t = self.threshold
+        limits = [
+            f"{kind} {'<' if t.strict else '<='} {limit:g}"
+            for kind, limit in (("abs", t.abs_limit), ("rel", t.rel_limit))
+            if limit is not None
+        ]
+        span = (
+            f"step {self.steps[0]}"
+            if len(self.steps) == 1
+            else (f"{len(self.steps)} steps")
+        )
+        return (
+            f"{t.name:<22} {'pass' if self.ok else 'FAIL':<5} {span:<10} "
+            f"abs={self.abs_error:.3e} rel={self.rel_error:.3e} "
+            f"(limits: {', '.join(limits)})"
+        )
+
+
+def _errors(a: dict[int, float], b: dict[int, float], steps: list[int]):
+    """Mean absolute and mean relative error of A against baseline B."""
+    absolute = [abs(a[s] - b[s]) for s in steps]
+    relative = [
+        d / abs(b[s]) if b[s] else (float("inf") if d else 0.0)
+        for d, s in zip(absolute, steps)
+    ]
+    return sum(absolute) / len(steps), sum(relative) / len(steps)
+
+
+def judge_computational(
+    a: dict[str, dict[int, float]],
+    b: dict[str, dict[int, float]],
+    steps: list[int],
+) -> list[Judgement]:
+    """The ``COMPUTATIONAL`` criteria on the steps both runs logged."""
+    first, mean_loss, mean_norm = COMPUTATIONAL
+    loss_a, loss_b = a[LOSS], b[LOSS]
+    return [
+        Judgement(first, steps[:1], *_errors(loss_a, loss_b, steps[:1])),
+        Judgement(mean_loss, steps, *_errors(loss_a, loss_b, steps)),
+        Judgement(mean_norm, steps, *_errors(a[GRAD_NORM], b[GRAD_NORM], steps)),
     ]
 
 
@@ -133,6 +220,8 @@ def parse_steps(text: str | None) -> list[int] | None:
 
 def main(args: argparse.Namespace) -> int:
     steps = parse_steps(args.steps)
+    if getattr(args, "mode", "bitwise") == "computational":
+        return _main_computational(args, steps)
     comparisons = compare_runs(
         args.run_a, args.run_b, rtol=args.rtol, atol=args.atol, steps=steps
     )
@@ -146,3 +235,29 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"plot: {plot_runs({'A': args.run_a, 'B': args.run_b}, args.plot)}")
     return 0 if all(c.ok for c in comparisons) else 1
+
+
+def _main_computational(args: argparse.Namespace, steps: list[int] | None) -> int:
+    if args.rtol or args.atol:
+        raise UsageError(
+            "--mode computational has its own thresholds; drop --rtol/--atol "
+            "(they belong to the default bitwise mode)"
+        )
+    a, b = read_scalars(args.run_a, TAGS), read_scalars(args.run_b, TAGS)
+    logged = [set(run[tag]) for run in (a, b) for tag in TAGS]
+    wanted = set(steps) if steps is not None else set.union(*logged)
+    common = sorted(wanted.intersection(*logged))
+    missing = sorted(wanted - set(common))
+    span = f", steps {args.steps}" if steps else ""
+    print(f"{args.run_a} vs {args.run_b} (computational, B is the baseline{span})")
+    if not common:
+        print(f"no step is logged by both runs (missing: {missing})")
+        return 1
+    judgements = judge_computational(a, b, common)
+    for judgement in judgements:
+        print(judgement.line())
+    if missing:
+        print(f"MISSING steps {missing} (logged by one run only)")
+    if args.plot:
+        print(f"plot: {plot_runs({'A': args.run_a, 'B': args.run_b}, args.plot)}")
+    return 0 if all(j.ok for j in judgements) and not missing else 1
