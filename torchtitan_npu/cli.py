@@ -30,6 +30,11 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         raise launcher.LaunchError("--nnodes other than 1 needs --rdzv-endpoint")
     if args.device:
         os.environ[DEVICE_ENV] = args.device
+    if args.detect_nonfinite:
+        from torchtitan_npu.numerics import ENV
+
+        spec = json.loads(os.environ.get(ENV) or "{}")
+        os.environ[ENV] = json.dumps({**spec, "nonfinite": True})
 
     from torchtitan_npu.config import preflight, resolve
 
@@ -296,6 +301,14 @@ def _compat_docs(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _numerics_locate(args: argparse.Namespace, rest: list[str]) -> int:
+    from torchtitan_npu.numerics.locate import locate
+
+    return _interruptible(
+        lambda: locate(args, rest), "numerics locate", "the comparison is incomplete"
+    )
+
+
 def _loss_compare(args: argparse.Namespace, rest: list[str]) -> int:
     from torchtitan_npu.tools.loss_compare import main
 
@@ -434,6 +447,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="estimate per-rank memory first (titan-npu plan); warn if it "
         "exceeds the device",
+    )
+    train.add_argument(
+        "--detect-nonfinite",
+        action="store_true",
+        help="stop at the first module and step whose forward output or "
+        "backward gradient holds a NaN or Inf (one line; its input statistics "
+        "beside the log)",
     )
     train.add_argument(
         "--verbose",
@@ -598,6 +618,40 @@ def build_parser() -> argparse.ArgumentParser:
         "docs/patches.md (the patch registry)",
     ).set_defaults(handler=_compat_docs)
 
+    numerics = commands.add_parser(
+        "numerics", help="where two setups' numbers part (locate)"
+    )
+    numerics_commands = numerics.add_subparsers(dest="numerics_command", required=True)
+    locate = numerics_commands.add_parser(
+        "locate",
+        help="two setups from one seed and batch: the first module that differs",
+        description="Train two setups (each a string of `titan-npu train` "
+        "arguments) from one seed checkpoint on one batch, capture every "
+        "module's output and every gradient at --step, and name the first "
+        "module whose numbers depart, forward and backward. Arguments after "
+        "the options go to both setups. Exit 0: no departure; 1: they part.",
+    )
+    locate.add_argument("--a", default="", help='setup A, e.g. "--device cpu"')
+    locate.add_argument(
+        "--b",
+        default="",
+        help='setup B, e.g. "--nproc-per-node 2 --parallelism.tensor_parallel_degree 2"',
+    )
+    locate.add_argument("--step", type=int, default=1, help="the step to compare")
+    locate.add_argument(
+        "--out",
+        help="a new folder for the runs and the report (default: "
+        "outputs/numerics/<time>)",
+    )
+    locate.add_argument(
+        "--rtol",
+        type=float,
+        help="relative error (norm of the difference over B's) above which a "
+        "record departs (default: 1e-5 for fp32, 2e-2 for bf16/fp16)",
+    )
+    locate.add_argument("--top", type=int, default=5, help="worst records shown")
+    locate.set_defaults(handler=_numerics_locate, needs_upstream=True)
+
     compare = commands.add_parser(
         "loss-compare",
         help="compare two runs' loss/grad_norm from TensorBoard (exact)",
@@ -626,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command not in ("train", "plan"):
+    if rest and args.command not in ("train", "plan", "numerics"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if not args.version and args.command is None:
         parser.error("a command is required (train, convert, doctor, ...)")

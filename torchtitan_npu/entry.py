@@ -82,6 +82,9 @@ def _main(argv: list[str] | None) -> None:
     try:
         prepare_upstream(job_file)
         hand_over(config, job_file)
+        from torchtitan_npu.numerics.hooks import install_from_env
+
+        install_from_env()  # numerics locate / --detect-nonfinite, when asked
         run_upstream()
     finally:
         os.unlink(job_file)

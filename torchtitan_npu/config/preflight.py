@@ -353,6 +353,29 @@ def dp_degree(degrees: dict[str, Any], world_size: int) -> int:
     return degrees["data_parallel_replicate_degree"] * shard
 
 
+def mesh_degrees(config: dict[str, Any], world_size: int) -> dict[str, int]:
+    """The sizes of the run's device mesh, by upstream's dimension names
+    (pp, dp_replicate, dp_shard, cp, tp), upstream's defaults where unset."""
+    from torchtitan_npu.bootstrap import activate
+    from torchtitan_npu.config import era_config
+
+    activation = activate()
+    table = era_config(activation.context.era).fields_of(
+        config,
+        version=activation.upstream.installed.version,
+        device_type=activation.context.device_type,
+    )
+    degrees = _degrees(config, table)
+    replicate = degrees["data_parallel_replicate_degree"]
+    return {
+        "pp": degrees["pipeline_parallel_degree"],
+        "dp_replicate": replicate,
+        "dp_shard": dp_degree(degrees, world_size) // replicate,
+        "cp": degrees["context_parallel_degree"],
+        "tp": degrees["tensor_parallel_degree"],
+    }
+
+
 def check_loadable(
     config: dict[str, Any],
     table: FieldTable,

@@ -1,0 +1,282 @@
+"""Rank-side numerics, through torch's global module and optimizer hooks only
+(nothing of upstream is touched). ``TITAN_NPU_NUMERICS`` holds a JSON spec,
+written by the command that launched the run:
+
+- ``{"capture": DIR, "step": N, "degrees": {...}}`` (``numerics locate``): at
+  step N every module's forward outputs and every parameter's gradient, as the
+  optimizer receives it, stream to ``DIR/rank-R/`` (DTensors gathered first);
+- ``{"nonfinite": true}`` (``train --detect-nonfinite``): the first module
+  whose forward output, or the gradient arriving at that output, holds a NaN
+  or an Inf stops the run with one line; the module's input, parameter and
+  output statistics are written beside the log.
+
+Names are the model's FQNs with wrapper infixes (activation checkpointing,
+compile) dropped, so every layout and every pipeline stage speaks one
+namespace. A step is counted at the first module forward after an optimizer
+step; recomputation inside backward (activation checkpointing) is not a new
+forward.
+"""
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from torchtitan_npu.errors import UserError
+from torchtitan_npu.numerics import ENV
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # upstream's order
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+class NonFiniteFound(UserError):
+    """A NaN or Inf appeared in training (``--detect-nonfinite``)."""
+
+
+def clean_name(name: str) -> str:
+    for infix in _WRAPPERS:
+        name = name.replace(infix, "")
+    return name
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def coordinates(rank: int, degrees: dict[str, int]) -> dict[str, int]:
+    """This rank's place on upstream's device mesh (pp outermost, tp innermost)."""
+    place = {}
+    for dim in reversed(MESH_DIMS):
+        size = degrees.get(dim, 1)
+        place[dim], rank = rank % size, rank // size
+    return place
+
+
+class Tracker:
+    """Module names, learnt from each root module a forward pass starts at,
+    and the training step (1 + optimizer steps taken)."""
+
+    def __init__(self) -> None:
+        self.names: dict[int, str] = {}
+        self.roots: list[torch.nn.Module] = []
+        self.step = 1
+        self._depth = 0
+        self._stepped = False
+
+    def enter(self, module: torch.nn.Module, *_: Any) -> None:
+        if self._depth == 0 and not in_backward():
+            if self._stepped:
+                self.step, self._stepped = self.step + 1, False
+            if id(module) not in self.names:
+                self.roots.append(module)
+                for name, child in module.named_modules(remove_duplicate=False):
+                    self.names.setdefault(id(child), clean_name(name))
+        self._depth += 1
+
+    def leave(self, *_: Any) -> None:
+        self._depth -= 1
+
+    def stepped(self, *_: Any) -> None:
+        self._stepped = True
+
+    def name(self, module: torch.nn.Module) -> str:
+        """The module's FQN; "" for a root or a module outside every root."""
+        return self.names.get(id(module), "")
+
+    def parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        seen, found = set(), []
+        for root in self.roots:
+            for name, param in root.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    found.append((clean_name(name), param))
+        return found
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy on the host, gathered when it is a DTensor (every rank
+    of its mesh calls this in the same order: SPMD)."""
+    import warnings
+
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own collectives
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        return tensor.detach().to("cpu", copy=True)
+
+
+class Capture:
+    """Streams step ``step``'s forward outputs and gradients to disk."""
+
+    def __init__(self, tracker: Tracker, spec: dict[str, Any]) -> None:
+        rank = int(os.environ.get("RANK", "0"))
+        place = coordinates(rank, spec.get("degrees", {}))
+        data_rank0 = place["dp_replicate"] == place["dp_shard"] == 0
+        self.tracker, self.step = tracker, int(spec["step"])
+        # Forward outputs: every rank holding data rank 0's batch (its local
+        # shards may need merging); gradients: one rank per pipeline stage.
+        self.write_forward = data_rank0
+        self.write_grads = data_rank0 and place["tp"] == place["cp"] == 0
+        self.folder = Path(spec["capture"]) / f"rank-{rank}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.place = place
+        self._index = (self.folder / "index.jsonl").open("a")
+        self._seq = 0
+        self._calls: Counter[str] = Counter()
+        self._grads_taken = False
+
+    def _save(self, kind: str, name: str, call: int, leaf: int, t: Any) -> None:
+        record = {"kind": kind, "name": name, "call": call, "leaf": leaf}
+        record |= {"seq": self._seq, "pp": self.place["pp"]}
+        if t is not None:
+            file = f"{self._seq:06d}.pt"
+            torch.save(t, self.folder / file)
+            record |= {"file": file, "shape": list(t.shape), "dtype": str(t.dtype)}
+        self._index.write(json.dumps(record) + "\n")
+        self._index.flush()
+        self._seq += 1
+
+    def forward(self, module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+        if self.tracker.step != self.step or in_backward():
+            return
+        name = self.tracker.name(module)
+        if not name:
+            return
+        call = self._calls[name]
+        self._calls[name] += 1
+        for leaf, tensor in enumerate(tensors_of(output)):
+            gathered = full(tensor)
+            if self.write_forward:
+                self._save("forward", name, call, leaf, gathered)
+
+    def gradients(self, *_: Any) -> None:
+        if self.tracker.step != self.step or self._grads_taken:
+            return
+        self._grads_taken = True
+        for name, param in self.tracker.parameters():
+            grad = None if param.grad is None else full(param.grad)
+            if self.write_grads:
+                self._save("grad", name, 0, 0, grad)
+
+
+def _stats(tensor: torch.Tensor) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()  # no collective on the way out
+    t = tensor.detach().float()
+    finite = t[torch.isfinite(t)]
+    return {
+        "shape": list(tensor.shape),
+        "dtype": str(tensor.dtype),
+        "nan": int(torch.isnan(t).sum()),
+        "inf": int(torch.isinf(t).sum()),
+        "min": float(finite.min()) if finite.numel() else None,
+        "max": float(finite.max()) if finite.numel() else None,
+        "mean": float(finite.mean()) if finite.numel() else None,
+        "absmax": float(finite.abs().max()) if finite.numel() else None,
+    }
+
+
+def nonfinite(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+
+
+class NonFiniteWatch:
+    """Stops at the first module whose output (forward) or the gradient at
+    whose output (backward) is not finite."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+
+    def forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        name = self.tracker.name(module)
+        if not name:
+            return
+        outputs = tensors_of(output)
+        if not in_backward() and any(nonfinite(t) for t in outputs):
+            self._stop(name, "forward", "its output", module, inputs, outputs)
+        for t in outputs:
+            if t.requires_grad:
+                t.register_hook(self._backward_check(name, module, inputs, outputs))
+
+    def _backward_check(self, name, module, inputs, outputs):
+        step = self.tracker.step
+
+        def check(grad: torch.Tensor) -> None:
+            if nonfinite(grad):
+                what = "the gradient arriving at its output"
+                self._stop(name, "backward", what, module, inputs, [grad], step)
+
+        return check
+
+    def _stop(self, name, phase, what, module, inputs, outputs, step=None) -> None:
+        step = self.tracker.step if step is None else step
+        saved = self._save(name, phase, step, module, inputs, outputs)
+        where = f"; statistics in {saved}" if saved else ""
+        raise NonFiniteFound(
+            f"non-finite values at step {step}, {phase}: {name} "
+            f"({type(module).__name__}): {what} has NaN or Inf{where}"
+        )
+
+    def _save(self, name, phase, step, module, inputs, outputs) -> Path | None:
+        from torchtitan_npu.launcher import RUN_DIR_ENV
+
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        if not run_dir:
+            return None
+        record = {
+            "module": name,
+            "class": type(module).__name__,
+            "step": step,
+            "phase": phase,
+            "inputs": [_stats(t) for t in tensors_of(inputs)],
+            "parameters": {
+                n: _stats(p) for n, p in module.named_parameters(recurse=False)
+            },
+            "outputs": [_stats(t) for t in outputs],
+        }
+        path = Path(run_dir) / f"nonfinite-rank-{os.environ.get('RANK', '0')}.json"
+        path.write_text(json.dumps(record, indent=2))
+        return path
+
+
+def install_from_env() -> None:
+    """Install the hooks ``TITAN_NPU_NUMERICS`` asks for (none when unset)."""
+    text = os.environ.get(ENV)
+    if not text:
+        return
+    spec = json.loads(text)
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    tracker = Tracker()
+    register_module_forward_pre_hook(tracker.enter)
+    if "capture" in spec:
+        capture = Capture(tracker, spec)
+        register_module_forward_hook(capture.forward)
+        register_optimizer_step_pre_hook(capture.gradients)
+    if spec.get("nonfinite"):
+        register_module_forward_hook(NonFiniteWatch(tracker).forward)
+    register_module_forward_hook(tracker.leave)  # after the others: a root's own
+    register_optimizer_step_post_hook(tracker.stepped)
