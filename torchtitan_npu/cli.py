@@ -635,7 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
     locate.add_argument(
         "--b",
         default="",
-        help='setup B, e.g. "--nproc-per-node 2 --parallelism.tensor_parallel_degree 2"',
+        help='setup B, e.g. "--nproc-per-node 2 '
+        '--parallelism.tensor_parallel_degree 2"',
     )
     locate.add_argument("--step", type=int, default=1, help="the step to compare")
     locate.add_argument(
@@ -650,6 +651,12 @@ def build_parser() -> argparse.ArgumentParser:
         "record departs (default: 1e-5 for fp32, 2e-2 for bf16/fp16)",
     )
     locate.add_argument("--top", type=int, default=5, help="worst records shown")
+    locate.add_argument(
+        "--msprobe",
+        action="store_true",
+        help="also write each capture as an msprobe dump (OUT/A/msprobe, "
+        "OUT/B/msprobe) for MindStudio and `msprobe compare`",
+    )
     locate.set_defaults(handler=_numerics_locate, needs_upstream=True)
 
     compare = commands.add_parser(

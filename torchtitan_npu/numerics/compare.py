@@ -46,6 +46,7 @@ class Record:
     file: str | None
     shape: tuple[int, ...] | None
     dtype: str | None
+    cls: str = ""  # the module's class (forward records)
 
 
 class Capture:
@@ -61,7 +62,7 @@ class Capture:
                 shape = tuple(r["shape"]) if "shape" in r else None
                 record = Record(
                     r["kind"], r["name"], r["call"], r["leaf"], r["seq"], r["pp"],
-                    rank, r.get("file"), shape, r.get("dtype"),
+                    rank, r.get("file"), shape, r.get("dtype"), r.get("class", ""),
                 )  # fmt: skip
                 self.records[record.kind, record.name, record.call, record.leaf].append(
                     record
@@ -75,7 +76,9 @@ class Capture:
     def keys(self, kind: str) -> list[tuple[str, str, int, int]]:
         """``kind``'s records in execution order (pipeline stage, then time)."""
         found = [k for k in self.records if k[0] == kind]
-        return sorted(found, key=lambda k: (self.records[k][0].pp, self.records[k][0].seq))
+        return sorted(
+            found, key=lambda k: (self.records[k][0].pp, self.records[k][0].seq)
+        )
 
     def calls(self, kind: str, name: str, leaf: int) -> int:
         return sum(1 for k in self.records if k[:2] == (kind, name) and k[3] == leaf)
@@ -185,9 +188,7 @@ def _label(capture: Capture, kind: str, name: str, call: int, leaf: int) -> str:
     return label
 
 
-def _pair(
-    a: Capture, b: Capture, key: tuple[str, str, int, int]
-) -> Difference | None:
+def _pair(a: Capture, b: Capture, key: tuple[str, str, int, int]) -> Difference | None:
     """The difference of one record; None when B lacks it and it is a call
     B folded into one (microbatches)."""
     kind, name, call, leaf = key
@@ -196,7 +197,9 @@ def _pair(
     dtype = a.records[key][0].dtype
     if calls_a == calls_b:
         if key not in b.records:
-            return Difference(kind, label, dtype, None, None, False, "B has no such record")
+            return Difference(
+                kind, label, dtype, None, None, False, "B has no such record"
+            )
         tensors = _shaped_pair(_Side(a, key), _Side(b, key))
     elif 1 in (calls_a, calls_b):
         if call > 0:
@@ -275,6 +278,7 @@ def summary(
     forward: list[Difference], backward: list[Difference], rtol: float | None, k: int
 ) -> str:
     lines = []
+    forward_first = first_departure(forward, rtol)
     for phase, diffs in (("forward", forward), ("backward", backward)):
         compared = [d for d in diffs if d.error is not None]
         equal = sum(d.bitwise for d in compared)
@@ -286,11 +290,21 @@ def summary(
         lines.append(head)
         if first is None:
             lines.append(f"  no record departs ({_limit(rtol)})")
+        elif phase == "backward" and forward_first is not None:
+            # Every gradient is computed from forward outputs that already
+            # differ: the order says nothing, the size does.
+            lines.append(f"  largest departure: {worst(diffs, 1)[0].describe(rtol)}")
+            lines.append(
+                f"  (every gradient follows the forward departure at "
+                f"{forward_first.label}: ranked by error, not by order)"
+            )
         else:
             before = compared[: compared.index(first)]
             agree = max((d.error or 0.0 for d in before), default=0.0)
             lines.append(f"  first departure: {first.describe(rtol)}")
-            lines.append(f"  ({len(before)} records before it agree; worst {agree:.1e})")
+            lines.append(
+                f"  ({len(before)} records before it agree; worst {agree:.1e})"
+            )
         for d in worst(diffs, k):
             lines.append(f"  worst: {d.describe(rtol)}")
         lines += [f"  {d.describe(rtol)}" for d in skipped[:3]]
@@ -303,7 +317,9 @@ def _limit(rtol: float | None) -> str:
     return f"relative error <= {DEFAULT_RTOL['torch.float32']:g} in fp32"
 
 
-def as_json(forward: list[Difference], backward: list[Difference]) -> list[dict[str, Any]]:
+def as_json(
+    forward: list[Difference], backward: list[Difference]
+) -> list[dict[str, Any]]:
     return [
         {"phase": phase, "label": d.label, "dtype": d.dtype, "error": d.error,
          "max_abs": d.max_abs, "bitwise": d.bitwise, "note": d.note}
@@ -325,8 +341,13 @@ def plot(
     except ImportError:
         return None
     figure, axes = plt.subplots(2, 1, figsize=(12, 7))
-    for axis, phase, diffs in ((axes[0], "forward", forward), (axes[1], "backward", backward)):
-        errors = [max(d.error, 1e-16) if d.error is not None else math.nan for d in diffs]
+    for axis, phase, diffs in (
+        (axes[0], "forward", forward),
+        (axes[1], "backward", backward),
+    ):
+        errors = [
+            max(d.error, 1e-16) if d.error is not None else math.nan for d in diffs
+        ]
         axis.semilogy(range(len(diffs)), errors, marker=".", linewidth=0.8)
         limits = [default_rtol(d.dtype or "") if rtol is None else rtol for d in diffs]
         axis.plot(range(len(diffs)), limits, "--", color="grey", linewidth=0.8)

@@ -135,8 +135,10 @@ class Capture:
         self._calls: Counter[str] = Counter()
         self._grads_taken = False
 
-    def _save(self, kind: str, name: str, call: int, leaf: int, t: Any) -> None:
-        record = {"kind": kind, "name": name, "call": call, "leaf": leaf}
+    def _save(
+        self, kind: str, name: str, call: int, leaf: int, t: Any, cls: str = ""
+    ) -> None:
+        record = {"kind": kind, "name": name, "call": call, "leaf": leaf, "class": cls}
         record |= {"seq": self._seq, "pp": self.place["pp"]}
         if t is not None:
             file = f"{self._seq:06d}.pt"
@@ -157,7 +159,7 @@ class Capture:
         for leaf, tensor in enumerate(tensors_of(output)):
             gathered = full(tensor)
             if self.write_forward:
-                self._save("forward", name, call, leaf, gathered)
+                self._save("forward", name, call, leaf, gathered, type(module).__name__)
 
     def gradients(self, *_: Any) -> None:
         if self.tracker.step != self.step or self._grads_taken:
@@ -197,32 +199,50 @@ def nonfinite(tensor: torch.Tensor) -> bool:
 
 
 class NonFiniteWatch:
-    """Stops at the first module whose output (forward) or the gradient at
-    whose output (backward) is not finite."""
+    """Stops at the first NaN or Inf: in forward, the first module whose
+    output has one; in backward, the first module whose gradient towards its
+    input has one (the model output's gradient: the loss), then any
+    parameter's gradient before the optimizer step."""
 
     def __init__(self, tracker: Tracker) -> None:
         self.tracker = tracker
 
     def forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
         name = self.tracker.name(module)
-        if not name:
-            return
         outputs = tensors_of(output)
+        if not name:  # a root: its output's gradient comes from the loss
+            what = "the loss's gradient with respect to it"
+            for t in outputs:
+                if t.requires_grad:
+                    t.register_hook(
+                        self._grad_check(
+                            "the model output", what, module, inputs, outputs
+                        )
+                    )
+            return
         if not in_backward() and any(nonfinite(t) for t in outputs):
             self._stop(name, "forward", "its output", module, inputs, outputs)
-        for t in outputs:
+        what = "the gradient it passes to its input"
+        for t in tensors_of(inputs):
             if t.requires_grad:
-                t.register_hook(self._backward_check(name, module, inputs, outputs))
+                t.register_hook(self._grad_check(name, what, module, inputs, outputs))
 
-    def _backward_check(self, name, module, inputs, outputs):
+    def _grad_check(self, name, what, module, inputs, outputs):
         step = self.tracker.step
 
         def check(grad: torch.Tensor) -> None:
             if nonfinite(grad):
-                what = "the gradient arriving at its output"
                 self._stop(name, "backward", what, module, inputs, [grad], step)
 
         return check
+
+    def gradients(self, *_: Any) -> None:
+        for name, param in self.tracker.parameters():
+            if param.grad is not None and nonfinite(param.grad):
+                raise NonFiniteFound(
+                    f"non-finite values at step {self.tracker.step}, backward: "
+                    f"the gradient of parameter {name} has NaN or Inf"
+                )
 
     def _stop(self, name, phase, what, module, inputs, outputs, step=None) -> None:
         step = self.tracker.step if step is None else step
@@ -258,9 +278,12 @@ class NonFiniteWatch:
 def install_from_env() -> None:
     """Install the hooks ``TITAN_NPU_NUMERICS`` asks for (none when unset)."""
     text = os.environ.get(ENV)
-    if not text:
-        return
-    spec = json.loads(text)
+    if text:
+        install(json.loads(text))
+
+
+def install(spec: dict[str, Any]) -> list[Any]:
+    """Install the hooks ``spec`` asks for; their handles (``.remove()``)."""
     from torch.nn.modules.module import (
         register_module_forward_hook,
         register_module_forward_pre_hook,
@@ -271,12 +294,16 @@ def install_from_env() -> None:
     )
 
     tracker = Tracker()
-    register_module_forward_pre_hook(tracker.enter)
+    handles = [register_module_forward_pre_hook(tracker.enter)]
     if "capture" in spec:
         capture = Capture(tracker, spec)
-        register_module_forward_hook(capture.forward)
-        register_optimizer_step_pre_hook(capture.gradients)
+        handles.append(register_module_forward_hook(capture.forward))
+        handles.append(register_optimizer_step_pre_hook(capture.gradients))
     if spec.get("nonfinite"):
-        register_module_forward_hook(NonFiniteWatch(tracker).forward)
-    register_module_forward_hook(tracker.leave)  # after the others: a root's own
-    register_optimizer_step_post_hook(tracker.stepped)
+        watch = NonFiniteWatch(tracker)
+        handles.append(register_module_forward_hook(watch.forward))
+        handles.append(register_optimizer_step_pre_hook(watch.gradients))
+    # Registered last, so it runs after the others for the same module.
+    handles.append(register_module_forward_hook(tracker.leave))
+    handles.append(register_optimizer_step_post_hook(tracker.stepped))
+    return handles

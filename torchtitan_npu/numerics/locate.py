@@ -146,7 +146,11 @@ def _seed(setup: Setup, folder: Path, env: dict[str, str]) -> Path:
         "--job.dump_folder", str(folder),
     ]  # fmt: skip
     _train(argv, env, f"seed checkpoint of setup {setup.label}'s model")
-    return folder / str(setup.config.get("checkpoint", {}).get("folder", "checkpoint")) / "step-0"
+    return (
+        folder
+        / str(setup.config.get("checkpoint", {}).get("folder", "checkpoint"))
+        / "step-0"
+    )
 
 
 def _groups(overrides: list[str]) -> list[list[str]]:
@@ -195,9 +199,7 @@ def _dp_degree(degrees: dict[str, int]) -> int:
     return degrees["dp_replicate"] * degrees["dp_shard"]
 
 
-def _shared_data(
-    a: Setup, b: Setup, dp_a: int, dp_b: int, out: Path
-) -> list[str]:
+def _shared_data(a: Setup, b: Setup, dp_a: int, dp_b: int, out: Path) -> list[str]:
     """Data settings under which both setups' data rank 0 reads one batch."""
     if dp_a == dp_b:
         return []
@@ -249,7 +251,11 @@ def _capture_run(
         "--metrics.enable_tensorboard", "true",
         "--job.dump_folder", str(folder),
     ]  # fmt: skip
-    _train(argv, {**env, ENV: json.dumps(spec)}, f"setup {setup.label} ({setup.text or 'defaults'}) to step {step}")
+    _train(
+        argv,
+        {**env, ENV: json.dumps(spec)},
+        f"setup {setup.label} ({setup.text or 'defaults'}) to step {step}",
+    )
     return capture
 
 
@@ -258,11 +264,12 @@ def _losses(out: Path, step: int) -> str:
 
     parts = []
     for tag in (LOSS, GRAD_NORM):
-        values = [read_scalars(out / x, (tag,))[tag].get(step) for x in "AB"]
-        if None not in values:
-            a, b = values
+        a, b = (read_scalars(out / x, (tag,))[tag].get(step) for x in "AB")
+        if a is not None and b is not None:
             rel = abs(a - b) / abs(b) if b else 0.0
-            parts.append(f"{tag.rsplit('/', 1)[-1]} A {a:.6g} B {b:.6g} (rel {rel:.1e})")
+            parts.append(
+                f"{tag.rsplit('/', 1)[-1]} A {a:.6g} B {b:.6g} (rel {rel:.1e})"
+            )
     return "; ".join(parts)
 
 
@@ -302,6 +309,17 @@ def locate(args: argparse.Namespace, shared: list[str]) -> int:
     report.write_text(json.dumps(compare.as_json(forward, backward), indent=1))
     picture = compare.plot(forward, backward, args.rtol, out / "locate.png")
     print(f"report: {report}" + (f"; picture: {picture}" if picture else ""))
+    if args.msprobe:
+        from torchtitan_npu.numerics import msprobe
+
+        dumps = [out / x / "msprobe" for x in "AB"]
+        for capture, dump in zip((first, second), dumps):
+            msprobe.export(capture, dump, args.step)
+        step = f"step{args.step - 1}"
+        print(
+            f"msprobe dumps: {dumps[0]}, {dumps[1]} (msprobe compare -tp "
+            f"{dumps[1] / step} -gp {dumps[0] / step} -o {out / 'msprobe-compare'})"
+        )
     print(f"({time.perf_counter() - started:.0f} s)")
     departed = compare.first_departure(forward, args.rtol) or compare.first_departure(
         backward, args.rtol
