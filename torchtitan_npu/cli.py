@@ -302,10 +302,22 @@ def _compat_docs(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _numerics_locate(args: argparse.Namespace, rest: list[str]) -> int:
-    from torchtitan_npu.numerics.locate import locate
+    from torchtitan_npu.numerics.locate import locate, parse_setup, setup_words
 
+    setups = []
+    for label, text in (("A", args.a), ("B", args.b)):
+        words = [*rest, *setup_words(label, text)]  # the setup's own win
+        try:
+            flags, overrides = build_parser().parse_known_args(["train", *words])
+        except SystemExit:  # argparse has said what it could not read
+            raise UsageError(
+                f"--{label.lower()} {text!r} is not a list of titan-npu train arguments"
+            ) from None
+        setups.append(parse_setup(label, text, flags, overrides))
     return _interruptible(
-        lambda: locate(args, rest), "numerics locate", "the comparison is incomplete"
+        lambda: locate(args, *setups),
+        "numerics locate",
+        "the comparison is incomplete",
     )
 
 

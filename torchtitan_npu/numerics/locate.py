@@ -55,23 +55,23 @@ class Setup:
         return args
 
 
-def parse_setup(label: str, text: str, shared: list[str]) -> Setup:
+def setup_words(label: str, text: str) -> list[str]:
+    """A setup's ``train`` arguments, split as a shell would."""
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise UsageError(f"--{label.lower()} {text!r}: {e}") from None
+
+
+def parse_setup(
+    label: str, text: str, flags: argparse.Namespace, overrides: list[str]
+) -> Setup:
+    """A setup from its text and train's reading of it (``flags``: train's
+    own options; ``overrides``: the rest)."""
     from torchtitan_npu import launcher
-    from torchtitan_npu.cli import build_parser
     from torchtitan_npu.config import resolve
 
     option = f"--{label.lower()}"
-    try:
-        words = shlex.split(text)
-    except ValueError as e:
-        raise UsageError(f"{option} {text!r}: {e}") from None
-    parser = build_parser()
-    try:
-        flags, overrides = parser.parse_known_args(["train", *shared, *words])
-    except SystemExit:  # argparse has printed what it could not read
-        raise UsageError(
-            f"{option} {text!r} is not a list of titan-npu train arguments"
-        ) from None
     if flags.nnodes != "1":
         raise UsageError(f"{option}: locate runs on this machine (drop --nnodes)")
     config = resolve(flags.config, overrides)
@@ -273,13 +273,13 @@ def _losses(out: Path, step: int) -> str:
     return "; ".join(parts)
 
 
-def locate(args: argparse.Namespace, shared: list[str]) -> int:
+def locate(args: argparse.Namespace, a: Setup, b: Setup) -> int:
+    """Run both setups, compare, report; 0 when nothing departs, 1 when the
+    setups part (a launch's own exit code when it fails)."""
     from torchtitan_npu.config.preflight import mesh_degrees
     from torchtitan_npu.numerics import compare
 
     started = time.perf_counter()
-    a = parse_setup("A", args.a, shared)
-    b = parse_setup("B", args.b, shared)
     for setup in (a, b):
         _step_within(setup, args.step)
     out = Path(args.out or f"outputs/numerics/{time.strftime('%Y%m%d-%H%M%S')}")
