@@ -47,6 +47,16 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def compiling() -> bool:
+    """Inside a region torch.compile or make_fx traces (a compiled model, the
+    joint graph of flex attention's kernel): hooks step aside, for
+    data-dependent checks cannot run there and counters would not count at
+    run time."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return torch.compiler.is_compiling() or get_proxy_mode() is not None
+
+
 def tensors_of(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
@@ -72,6 +82,8 @@ class Tracker:
         self._stepped = False
 
     def enter(self, module: torch.nn.Module, *_: Any) -> None:
+        if compiling():
+            return
         if self._depth == 0 and not in_backward():
             if self._stepped:
                 self.step, self._stepped = self.step + 1, False
@@ -82,7 +94,8 @@ class Tracker:
         self._depth += 1
 
     def leave(self, *_: Any) -> None:
-        self._depth -= 1
+        if not compiling():
+            self._depth -= 1
 
     def stepped(self, *_: Any) -> None:
         self._stepped = True
@@ -149,7 +162,7 @@ class Capture:
         self._seq += 1
 
     def forward(self, module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-        if self.tracker.step != self.step or in_backward():
+        if self.tracker.step != self.step or in_backward() or compiling():
             return
         name = self.tracker.name(module)
         if not name:
@@ -208,6 +221,8 @@ class NonFiniteWatch:
         self.tracker = tracker
 
     def forward(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if compiling():
+            return
         name = self.tracker.name(module)
         outputs = tensors_of(output)
         if not name:  # a root: its output's gradient comes from the loss
@@ -231,7 +246,7 @@ class NonFiniteWatch:
         step = self.tracker.step
 
         def check(grad: torch.Tensor) -> None:
-            if nonfinite(grad):
+            if not compiling() and nonfinite(grad):
                 self._stop(name, "backward", what, module, inputs, [grad], step)
 
         return check
