@@ -313,7 +313,8 @@ def _numerics_locate(args: argparse.Namespace, rest: list[str]) -> int:
             raise UsageError(
                 f"--{label.lower()} {text!r} is not a list of titan-npu train arguments"
             ) from None
-        setups.append(parse_setup(label, text, flags, overrides))
+        python = getattr(args, f"{label.lower()}_python")
+        setups.append(parse_setup(label, text, flags, overrides, python))
     return _interruptible(
         lambda: locate(args, *setups),
         "numerics locate",
@@ -650,6 +651,12 @@ def build_parser() -> argparse.ArgumentParser:
         help='setup B, e.g. "--nproc-per-node 2 '
         '--parallelism.tensor_parallel_degree 2"',
     )
+    for label in "ab":
+        locate.add_argument(
+            f"--{label}-python",
+            help=f"the Python of the environment setup {label.upper()} trains in "
+            "(another upstream, say; titan-npu installed there too)",
+        )
     locate.add_argument("--step", type=int, default=1, help="the step to compare")
     locate.add_argument(
         "--out",

@@ -238,11 +238,17 @@ def _microbatched(a, b, kind, name, leaf, calls_a, calls_b):
         side = _Side(many, (kind, name, call, leaf))
         part_shape = None if whole.shape is None else side.shape
         parts.append(side.shaped_as(part_shape))
-    if any(p is None for p in parts):
+    if any(p is None for p in parts) or whole.shape is None:
         return "a microbatch's shards do not line up"
-    joined = torch.cat(parts, dim=0)  # type: ignore[arg-type]
-    if whole.shape is None or tuple(joined.shape) != whole.shape:
-        return f"{len(parts)} microbatches do not make B's batch"
+    # The calls that make the batch are the last ones: a pipeline schedule's
+    # shape inference may run the stage once before them.
+    rows, kept = 0, len(parts)
+    while kept > 0 and rows < whole.shape[0]:
+        kept -= 1
+        rows += parts[kept].shape[0]  # type: ignore[union-attr]
+    joined = torch.cat(parts[kept:], dim=0)  # type: ignore[arg-type]
+    if tuple(joined.shape) != whole.shape:
+        return f"{len(parts)} calls of the module do not make the other's batch"
     other = one.load(whole)
     return (joined, other) if many is a else (other, joined)
 

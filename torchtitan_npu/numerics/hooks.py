@@ -58,7 +58,10 @@ def compiling() -> bool:
 
 
 def tensors_of(value: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    """The tensors holding data in a module's inputs or outputs (not the meta
+    tensors of a pipeline stage's shape inference)."""
+    leaves = tree_leaves(value)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and not t.is_meta]
 
 
 def coordinates(rank: int, degrees: dict[str, int]) -> dict[str, int]:
@@ -165,11 +168,12 @@ class Capture:
         if self.tracker.step != self.step or in_backward() or compiling():
             return
         name = self.tracker.name(module)
-        if not name:
+        outputs = tensors_of(output)
+        if not name or not outputs:
             return
         call = self._calls[name]
         self._calls[name] += 1
-        for leaf, tensor in enumerate(tensors_of(output)):
+        for leaf, tensor in enumerate(outputs):
             gathered = full(tensor)
             if self.write_forward:
                 self._save("forward", name, call, leaf, gathered, type(module).__name__)

@@ -39,6 +39,7 @@ class Setup:
     overrides: list[str]  # --section.key value pairs
     config: dict[str, Any]  # resolved
     world_size: int
+    python: str = sys.executable  # the environment it trains in (its upstream)
 
     @property
     def option(self) -> str:
@@ -64,20 +65,29 @@ def setup_words(label: str, text: str) -> list[str]:
 
 
 def parse_setup(
-    label: str, text: str, flags: argparse.Namespace, overrides: list[str]
+    label: str,
+    text: str,
+    flags: argparse.Namespace,
+    overrides: list[str],
+    python: str | None = None,
 ) -> Setup:
     """A setup from its text and train's reading of it (``flags``: train's
-    own options; ``overrides``: the rest)."""
+    own options; ``overrides``: the rest), trained by ``python`` (another
+    environment, e.g. another upstream; default: this one)."""
     from torchtitan_npu import launcher
     from torchtitan_npu.config import resolve
 
     option = f"--{label.lower()}"
     if flags.nnodes != "1":
         raise UsageError(f"{option}: locate runs on this machine (drop --nnodes)")
+    if python is not None and not os.access(python, os.X_OK):
+        raise UsageError(f"{option}-python {python}: not an executable Python")
     config = resolve(flags.config, overrides)
     world_size = launcher.world_size(flags.nproc_per_node, "1")
     assert world_size is not None  # --nnodes 1
-    return Setup(label, text, flags, overrides, config, world_size)
+    return Setup(
+        label, text, flags, overrides, config, world_size, python or sys.executable
+    )
 
 
 def _step_within(setup: Setup, step: int) -> None:
@@ -107,10 +117,11 @@ def _empty_folder(out: Path) -> None:
         raise UsageError(f"--out {out} cannot be written: {e.strerror or e}") from None
 
 
-def _train(argv: list[str], env: dict[str, str], what: str) -> None:
-    """``titan-npu train ARGV``; its own one-line error when it fails."""
+def _train(setup: Setup, argv: list[str], env: dict[str, str], what: str) -> None:
+    """``titan-npu train ARGV`` in the setup's environment; train's own
+    one-line error when it fails."""
     print(f"numerics locate: {what}", flush=True)
-    command = [sys.executable, "-m", "torchtitan_npu.cli", "train", *argv]
+    command = [setup.python, "-m", "torchtitan_npu.cli", "train", *argv]
     result = subprocess.run(command, env=env)
     if result.returncode != 0:
         raise LocateFailed(what, result.returncode)
@@ -145,7 +156,7 @@ def _seed(setup: Setup, folder: Path, env: dict[str, str]) -> Path:
         "--training.steps", "1",
         "--job.dump_folder", str(folder),
     ]  # fmt: skip
-    _train(argv, env, f"seed checkpoint of setup {setup.label}'s model")
+    _train(setup, argv, env, f"seed checkpoint of setup {setup.label}'s model")
     return (
         folder
         / str(setup.config.get("checkpoint", {}).get("folder", "checkpoint"))
@@ -252,6 +263,7 @@ def _capture_run(
         "--job.dump_folder", str(folder),
     ]  # fmt: skip
     _train(
+        setup,
         argv,
         {**env, ENV: json.dumps(spec)},
         f"setup {setup.label} ({setup.text or 'defaults'}) to step {step}",
@@ -290,7 +302,7 @@ def locate(args: argparse.Namespace, a: Setup, b: Setup) -> int:
     try:
         data = _shared_data(a, b, dp_a, dp_b, out)
         seed = _seed(a, out / "seed-A", env)
-        if _model_settings(a) != _model_settings(b):
+        if _model_settings(a) != _model_settings(b) or a.python != b.python:
             _same_model(_parameters(seed), _parameters(_seed(b, out / "seed-B", env)))
         captures = [
             _capture_run(s, seed, data, args.step, degrees[s.label], out, env)
