@@ -70,14 +70,26 @@ def tiny(acts=None) -> Tiny:
     return Tiny(acts)
 
 
-def train(model: nn.Module, spec: dict, *, steps: int = 1, microbatches: int = 1):
-    """``steps`` SGD steps on one fixed batch with the hooks of ``spec``."""
+def train(
+    model: nn.Module,
+    spec: dict,
+    *,
+    steps: int = 1,
+    microbatches: int = 1,
+    shape_inference: bool = False,
+):
+    """``steps`` SGD steps on one fixed batch with the hooks of ``spec``
+    (``shape_inference``: first a forward of one microbatch, as a pipeline
+    stage does before its schedule)."""
     torch.manual_seed(1)
     batch = torch.randn(8, 16)
     handles = hooks.install(spec)
     try:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(steps):
+            if shape_inference:
+                with torch.no_grad():
+                    model(batch.chunk(microbatches)[0])
             for part in batch.chunk(microbatches):
                 (model(part).square().mean() / microbatches).backward()
             optimizer.step()
@@ -134,10 +146,13 @@ def test_a_wrong_backward_is_named_in_backward_only(tmp_path):
     assert backward[0].bitwise
 
 
-def test_microbatches_are_joined_into_the_whole_batch(tmp_path):
+@pytest.mark.parametrize("shape_inference", [False, True])
+def test_microbatches_are_joined_into_the_whole_batch(tmp_path, shape_inference):
     a = captured(tmp_path / "a", tiny())
-    b = captured(tmp_path / "b", tiny(), microbatches=2)
-    assert b.calls("forward", "layers.0.lin", 0) == 2
+    b = captured(
+        tmp_path / "b", tiny(), microbatches=2, shape_inference=shape_inference
+    )
+    assert b.calls("forward", "layers.0.lin", 0) == 2 + shape_inference
     forward, backward = compare.compare(a, b)
     assert [d.label for d in forward][0] == "layers.0.lin"  # one record, both calls
     assert all(d.error is not None for d in forward + backward)
