@@ -212,6 +212,11 @@ def npu_without_cann(session):
     pip = ["uv", "pip", "install", "--quiet", "--python", str(python)]
     session.run(*pip, "--require-hashes", "-r", str(requirements), **run)
     session.run(*pip, "--no-deps", "-e", str(ROOT), **run)
+    # titan-npu's torch_npu calls against the wheel's own schemas (no import)
+    (torch_npu,) = env.glob("lib/python*/site-packages/torch_npu")
+    session.run(
+        python, ROOT / "tests" / "install" / "npu_contract.py", torch_npu, **run
+    )
     tmp = Path(tempfile.mkdtemp(prefix="titan-npu-no-cann-"))
     session.run(
         python, ROOT / "tests" / "install" / "npu_without_cann.py", tmp / "work",

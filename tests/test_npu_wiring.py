@@ -187,6 +187,7 @@ def test_upstream_profiling_builds_the_torch_npu_profiler(
         "active": 1,
         "repeat": 0,
         "skip_first": 0,
+        "skip_first_wait": 0,
     }
     assert profile[1] == ["CPU", "NPU"] and profile[2]["record_shapes"] is True
     assert list((tmp_path / "out").rglob("rank0_trace.json*"))  # upstream's handler ran

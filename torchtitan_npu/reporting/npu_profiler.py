@@ -46,9 +46,12 @@ def schedule(
     skip_first: int = 0,
     skip_first_wait: int = 0,
 ) -> Any:
-    """torch_npu's schedule; it has no ``skip_first_wait`` (ignored, with a warning)."""
-    if skip_first_wait:
-        logger.warning("torch_npu's profiler schedule has no skip_first_wait; ignored")
+    """torch_npu's schedule (2.14.0's takes every argument torch's does)."""
     return _torch_npu_profiler().schedule(
-        wait=wait, warmup=warmup, active=active, repeat=repeat, skip_first=skip_first
+        wait=wait,
+        warmup=warmup,
+        active=active,
+        repeat=repeat,
+        skip_first=skip_first,
+        skip_first_wait=skip_first_wait,
     )
