@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from torchtitan_npu.distributed.hccl import mean_by_sum, translate_nccl_env
 from torchtitan_npu.overlay import common
 from torchtitan_npu.overlay.registry import Overlay, PatchContext, resolve_target
-from torchtitan_npu.reporting.flops import PEAK_FLOPS_ENV, ascend_peak_flops
+from torchtitan_npu.reporting.flops import PEAK_FLOPS_ENV, ascend_peak_flops, describe
 
 
 def npu_context(upstream) -> PatchContext:
@@ -91,6 +91,14 @@ def test_ascend_peak_flops(upstream, monkeypatch):
     assert ascend_peak_flops("Ascend910B1") == 414e12  # not "Ascend910"
     assert ascend_peak_flops("Ascend910") == 256e12
     assert ascend_peak_flops("NVIDIA H100") is None
+    # Atlas A3: each die is a device and a rank, with its own (cube) peak
+    assert ascend_peak_flops("Ascend910_9392") == ascend_peak_flops("Ascend910_9362")
+    assert ascend_peak_flops("Ascend910_9392") == 353.9e12
+    assert describe("npu", "Ascend910_9382").startswith(
+        "353.9 TFLOPs per device, cube (Ascend910_9382: one A3 die"
+    )
+    assert describe("npu", "Ascend910B3").startswith("313 TFLOPs per device, total")
+    assert describe("cpu", None).startswith("none: MFU reads 0 on cpu")
     get_peak_flops = patched(common.PEAK_FLOPS, upstream)
     assert get_peak_flops("Ascend910B2") == 376e12
     assert get_peak_flops("NVIDIA A100") == 312e12  # upstream's own answer

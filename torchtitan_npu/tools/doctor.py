@@ -77,6 +77,17 @@ def device_line() -> str:
     return f"{device} ({backend_for(device)})"
 
 
+def peak_flops_line(device_type: str) -> str:
+    """The peak MFU is computed against on this machine's device."""
+    import torch
+
+    from torchtitan_npu.reporting.flops import describe
+
+    module = getattr(torch, device_type, None)
+    name = module.get_device_name(0) if device_type != "cpu" and module else None
+    return describe(device_type, name)
+
+
 def version_report() -> str:
     """``titan-npu --version``: titan-npu, upstream, torch, torch_npu, device."""
     from torchtitan_npu import __version__
@@ -122,6 +133,7 @@ def run() -> int:
     lock = f"in upstream.lock, {entry.status}" if entry else "UNTESTED (opted in)"
     print(f"upstream    torchtitan {upstream.installed.version}: {lock}, era {ctx.era}")
     print(f"device      {ctx.device_type} (backend {ctx.backend})")
+    print(f"peak flops  {peak_flops_line(ctx.device_type)}")
     print("\npatches")
     print(status_table(activation.status))
     print("\npatch manifest (docs/patches.md)")
