@@ -200,3 +200,16 @@ def test_upstream_profiling_builds_the_torch_npu_profiler(
     assert profile[1] == ["CPU", "NPU"] and profile[2]["record_shapes"] is True
     assert list((tmp_path / "out").rglob("rank0_trace.json*"))  # upstream's handler ran
     assert torch.profiler.profile is stand_in._profile  # reverted
+
+
+def test_a_deterministic_run_on_npu_sets_what_ascend_needs_before_the_ranks():
+    from torchtitan_npu.distributed.hccl import DETERMINISTIC_ENV, deterministic_env
+
+    on = {"debug": {"deterministic": True}}
+    assert deterministic_env(on, "npu", {}) == DETERMINISTIC_ENV
+    assert DETERMINISTIC_ENV["HCCL_DETERMINISTIC"] == "true"
+    assert DETERMINISTIC_ENV["CLOSE_MATMUL_K_SHIFT"] == "1"
+    mine = deterministic_env(on, "npu", {"HCCL_DETERMINISTIC": "strict"})
+    assert "HCCL_DETERMINISTIC" not in mine and len(mine) == 2  # the user's wins
+    assert deterministic_env(on, "cuda", {}) == {} == deterministic_env(on, "cpu", {})
+    assert deterministic_env({"debug": {"deterministic": False}}, "npu", {}) == {}

@@ -23,7 +23,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from torchtitan_npu import launcher
-    from torchtitan_npu.distributed import DEVICE_ENV, check_torch_loads
+    from torchtitan_npu.distributed import (
+        DEVICE_ENV,
+        check_torch_loads,
+        select_device_type,
+    )
+    from torchtitan_npu.distributed.hccl import deterministic_env
 
     world_size = launcher.world_size(args.nproc_per_node, args.nnodes)
     if args.nnodes != "1" and not args.rdzv_endpoint:
@@ -67,9 +72,11 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         command += [*flags, "-m", "torchtitan_npu.entry", str(resolved)]
         print(f"titan-npu: training, log in {run_dir / 'launcher.log'}", flush=True)
         assert lock.fd is not None  # held until the run ends
+        env = launcher.worker_env(run_dir)
+        env.update(deterministic_env(config, select_device_type(), env))
         result = launcher.supervise(
             command,
-            launcher.worker_env(run_dir),
+            env,
             log=run_dir / "launcher.log",
             verbose=args.verbose,
             keep_fds=(lock.fd,),

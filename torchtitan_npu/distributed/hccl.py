@@ -1,4 +1,5 @@
-"""HCCL wiring: SUM-only reductions and the flight recorder's environment.
+"""HCCL wiring: SUM-only reductions, the flight recorder's environment, and
+what Ascend needs for bitwise reruns.
 
 HCCL reduces with SUM, PROD, MAX and MIN only: no AVG, no PREMUL_SUM. FSDP2's
 gradient reduction is handled by the ``fsdp_sum_reduction`` patch;
@@ -24,6 +25,30 @@ NCCL_TO_HCCL = {
 }
 MONITORING = "TORCH_HCCL_ENABLE_MONITORING"
 TRACE_BUFFER = "TORCH_HCCL_TRACE_BUFFER_SIZE"
+
+
+# Bitwise reruns on Ascend need more than torch.use_deterministic_algorithms
+# (which upstream's debug.deterministic sets): collectives that reduce in a
+# fixed order (HCCL, and LCCL when HCCL_OP_EXPANSION_MODE=AIV routes through
+# it) and matmuls that keep their K-axis order. CANN reads these when the
+# communicator and the kernels are set up, so they are set before torchrun
+# starts the ranks; the field's recipes (Huawei torchtitan-npu, MindSpeed,
+# vllm-ascend) set the same three together.
+DETERMINISTIC_ENV = {
+    "HCCL_DETERMINISTIC": "true",
+    "LCCL_DETERMINISTIC": "1",
+    "CLOSE_MATMUL_K_SHIFT": "1",
+}
+
+
+def deterministic_env(
+    config: dict, device_type: str, environ: MutableMapping[str, str] = os.environ
+) -> dict[str, str]:
+    """The variables a run with ``debug.deterministic`` needs on npu that the
+    user has not set (their own values win); none elsewhere."""
+    if device_type != "npu" or not config.get("debug", {}).get("deterministic"):
+        return {}
+    return {k: v for k, v in DETERMINISTIC_ENV.items() if k not in environ}
 
 
 def translate_nccl_env(environ: MutableMapping[str, str] = os.environ) -> dict:

@@ -88,6 +88,19 @@ def peak_flops_line(device_type: str) -> str:
     return describe(device_type, name)
 
 
+def determinism_line(device_type: str) -> str:
+    """What --debug.deterministic adds to upstream's torch settings here."""
+    from torchtitan_npu.distributed.hccl import DETERMINISTIC_ENV
+
+    if device_type != "npu":
+        return "upstream's debug.deterministic (torch's deterministic algorithms)"
+    shown = ", ".join(
+        f"{k}={os.environ[k]} (yours)" if k in os.environ else f"{k}={v}"
+        for k, v in DETERMINISTIC_ENV.items()
+    )
+    return f"debug.deterministic also sets {shown} before the ranks start"
+
+
 def version_report() -> str:
     """``titan-npu --version``: titan-npu, upstream, torch, torch_npu, device."""
     from torchtitan_npu import __version__
@@ -134,6 +147,7 @@ def run() -> int:
     print(f"upstream    torchtitan {upstream.installed.version}: {lock}, era {ctx.era}")
     print(f"device      {ctx.device_type} (backend {ctx.backend})")
     print(f"peak flops  {peak_flops_line(ctx.device_type)}")
+    print(f"determinism {determinism_line(ctx.device_type)}")
     print("\npatches")
     print(status_table(activation.status))
     print("\npatch manifest (docs/patches.md)")
