@@ -362,6 +362,18 @@ def full(session):
     run_matrix(session, {v: "all" for v in VERSIONS}, [])
 
 
+@nox.session(venv_backend="none")
+def device(session):
+    """The device check on a CUDA or Ascend host (not in CI): doctor, the npu
+    kernels against their references, device vs CPU numerics, speed against
+    upstream's launcher, plan vs measured memory; one markdown report. On a
+    CPU-only host, a dry run saying what it would check."""
+    session.run(
+        "uv", "run", "--frozen", "python", "benchmarks/device_check.py",
+        *session.posargs, external=True,
+    )  # fmt: skip
+
+
 # The adapter tests of models only transformers 5 has (Qwen3.5, Kimi K2.5).
 TRANSFORMERS5_TESTS = ["tests/test_hf_multimodal.py"]
 
