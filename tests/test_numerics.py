@@ -432,3 +432,14 @@ def test_a_capture_exports_as_an_msprobe_dump(tmp_path):
     assert set(grads) == {"weight", "bias"}
     assert (folder / "dump_tensor_data" / grads["weight"][0]["data_name"]).is_file()
     assert json.loads((folder / "construct.json").read_text())
+
+
+def test_locate_refuses_a_setup_train_would_refuse_before_running_anything(
+    tmp_path, capsys
+):
+    line = locate_line(
+        capsys, "--b", "--nproc-per-node 2 --parallelism.tensor_parallel_degree 3",
+        "--out", str(tmp_path / "o"),
+    )  # fmt: skip
+    assert line.startswith("titan-npu: error: ") and "--b" in line, line
+    assert not (tmp_path / "o").exists()

@@ -288,6 +288,7 @@ def _losses(out: Path, step: int) -> str:
 def locate(args: argparse.Namespace, a: Setup, b: Setup) -> int:
     """Run both setups, compare, report; 0 when nothing departs, 1 when the
     setups part (a launch's own exit code when it fails)."""
+    from torchtitan_npu.config import preflight
     from torchtitan_npu.config.preflight import mesh_degrees
     from torchtitan_npu.numerics import compare
 
@@ -295,6 +296,10 @@ def locate(args: argparse.Namespace, a: Setup, b: Setup) -> int:
     for setup in (a, b):
         _step_within(setup, args.step)
     out = Path(args.out or f"outputs/numerics/{time.strftime('%Y%m%d-%H%M%S')}")
+    for setup in (a, b):  # a setup train would refuse: one line, nothing run
+        launch = f"{setup.option} --nproc-per-node {setup.flags.nproc_per_node}"
+        preflight.check_early(setup.config, world_size=setup.world_size, launch=launch)
+        preflight.check(setup.config, world_size=setup.world_size, launch=launch)
     _empty_folder(out)
     degrees = {s.label: mesh_degrees(s.config, s.world_size) for s in (a, b)}
     dp_a, dp_b = (_dp_degree(degrees[s.label]) for s in (a, b))
