@@ -443,3 +443,15 @@ def test_locate_refuses_a_setup_train_would_refuse_before_running_anything(
     )  # fmt: skip
     assert line.startswith("titan-npu: error: ") and "--b" in line, line
     assert not (tmp_path / "o").exists()
+
+
+def test_a_record_one_setup_lacks_is_reported_not_compared(tmp_path):
+    a = captured(tmp_path / "a", tiny())
+    captured(tmp_path / "b", tiny())
+    index = tmp_path / "b" / "rank-0" / "index.jsonl"
+    lines = index.read_text().splitlines()
+    index.write_text("".join(f"{ln}\n" for ln in lines if '"layers.1.act"' not in ln))
+    forward, _ = compare.compare(a, compare.Capture(tmp_path / "b"))
+    (missing,) = [d for d in forward if d.error is None]
+    assert missing.label == "layers.1.act" and "B has no such record" in missing.note
+    assert all(d.bitwise for d in forward if d is not missing)

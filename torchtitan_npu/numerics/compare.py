@@ -54,7 +54,7 @@ class Capture:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.records: dict[tuple[str, str, int, int], list[Record]] = defaultdict(list)
+        records: dict[tuple[str, str, int, int], list[Record]] = defaultdict(list)
         for index in sorted(folder.glob("rank-*/index.jsonl")):
             rank = int(index.parent.name.removeprefix("rank-"))
             for line in index.read_text().splitlines():
@@ -64,11 +64,12 @@ class Capture:
                     r["kind"], r["name"], r["call"], r["leaf"], r["seq"], r["pp"],
                     rank, r.get("file"), shape, r.get("dtype"), r.get("class", ""),
                 )  # fmt: skip
-                self.records[record.kind, record.name, record.call, record.leaf].append(
+                records[record.kind, record.name, record.call, record.leaf].append(
                     record
                 )
-        for ranks in self.records.values():
+        for ranks in records.values():
             ranks.sort(key=lambda r: r.rank)
+        self.records = dict(records)
 
     def __bool__(self) -> bool:
         return bool(self.records)
@@ -195,6 +196,9 @@ def _pair(a: Capture, b: Capture, key: tuple[str, str, int, int]) -> Difference 
     label = _label(a, kind, name, call, leaf)
     calls_a, calls_b = a.calls(kind, name, leaf), b.calls(kind, name, leaf)
     dtype = a.records[key][0].dtype
+    if calls_b == 0:
+        note = "B has no such record (a masked partial sum is not captured)"
+        return Difference(kind, label, dtype, None, None, False, note)
     if calls_a == calls_b:
         if key not in b.records:
             return Difference(

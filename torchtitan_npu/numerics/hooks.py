@@ -117,9 +117,11 @@ class Tracker:
         return found
 
 
-def full(tensor: torch.Tensor) -> torch.Tensor:
+def full(tensor: torch.Tensor) -> torch.Tensor | None:
     """A detached copy on the host, gathered when it is a DTensor (every rank
-    of its mesh calls this in the same order: SPMD)."""
+    of its mesh calls this in the same order: SPMD). None for a masked
+    partial sum (a vocab-parallel embedding's output): its mask is used up by
+    its first reduction, which belongs to the module's own output hook."""
     import warnings
 
     from torch.distributed.tensor import DTensor
@@ -127,6 +129,8 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own collectives
         if isinstance(tensor, DTensor):
+            if any("MaskPartial" in type(p).__name__ for p in tensor.placements):
+                return None
             tensor = tensor.full_tensor()
         return tensor.detach().to("cpu", copy=True)
 
@@ -175,7 +179,7 @@ class Capture:
         self._calls[name] += 1
         for leaf, tensor in enumerate(outputs):
             gathered = full(tensor)
-            if self.write_forward:
+            if gathered is not None and self.write_forward:
                 self._save("forward", name, call, leaf, gathered, type(module).__name__)
 
     def gradients(self, *_: Any) -> None:
