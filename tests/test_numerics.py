@@ -455,3 +455,15 @@ def test_a_record_one_setup_lacks_is_reported_not_compared(tmp_path):
     (missing,) = [d for d in forward if d.error is None]
     assert missing.label == "layers.1.act" and "B has no such record" in missing.note
     assert all(d.bitwise for d in forward if d is not missing)
+
+
+def test_a_setups_own_train_switches_reach_its_runs():
+    from torchtitan_npu.cli import build_parser
+    from torchtitan_npu.numerics.locate import parse_setup
+
+    words = ["--nproc-per-node", "2", "--detect-nonfinite", "--training.steps", "3"]
+    flags, overrides = build_parser().parse_known_args(["train", *words])
+    setup = parse_setup("B", " ".join(words), flags, overrides)
+    assert setup.flag_args() == ["--nproc-per-node", "2", "--detect-nonfinite"]
+    assert setup.flag_args(single=True) == ["--detect-nonfinite"]
+    assert setup.overrides == ["--training.steps", "3"] and setup.world_size == 2

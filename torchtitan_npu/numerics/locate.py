@@ -53,6 +53,9 @@ class Setup:
             args += ["--device", self.flags.device]
         if not single:
             args += ["--nproc-per-node", str(self.flags.nproc_per_node)]
+        for switch in ("detect_nonfinite", "verbose", "log_all_ranks"):
+            if getattr(self.flags, switch, False):
+                args.append(f"--{switch.replace('_', '-')}")
         return args
 
 
