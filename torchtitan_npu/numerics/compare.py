@@ -15,7 +15,7 @@ put in the other setup's shape where that is unambiguous:
 
 import json
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,11 @@ class Capture:
         for ranks in records.values():
             ranks.sort(key=lambda r: r.rank)
         self.records = dict(records)
+        self._calls: Counter[tuple[str, str, int]] = Counter()
+        self._leaves: dict[tuple[str, str], set[int]] = defaultdict(set)
+        for kind, name, _, leaf in self.records:
+            self._calls[kind, name, leaf] += 1
+            self._leaves[kind, name].add(leaf)
 
     def __bool__(self) -> bool:
         return bool(self.records)
@@ -82,10 +87,10 @@ class Capture:
         )
 
     def calls(self, kind: str, name: str, leaf: int) -> int:
-        return sum(1 for k in self.records if k[:2] == (kind, name) and k[3] == leaf)
+        return self._calls[kind, name, leaf]
 
     def leaves(self, kind: str, name: str) -> int:
-        return len({k[3] for k in self.records if k[:2] == (kind, name)})
+        return len(self._leaves.get((kind, name), ()))
 
     def load(self, record: Record) -> torch.Tensor:
         assert record.file is not None

@@ -135,6 +135,18 @@ def full(tensor: torch.Tensor) -> torch.Tensor | None:
         return tensor.detach().to("cpu", copy=True)
 
 
+def _kept(tensor: torch.Tensor, writes: bool) -> torch.Tensor | None:
+    """``full(tensor)`` on a rank that writes it; elsewhere only a DTensor's
+    gather is joined (its peers wait for it), and nothing is copied."""
+    from torch.distributed.tensor import DTensor
+
+    if not writes:
+        if isinstance(tensor, DTensor):
+            full(tensor)
+        return None
+    return full(tensor)
+
+
 class Capture:
     """Streams step ``step``'s forward outputs and gradients to disk."""
 
@@ -178,8 +190,8 @@ class Capture:
         call = self._calls[name]
         self._calls[name] += 1
         for leaf, tensor in enumerate(outputs):
-            gathered = full(tensor)
-            if gathered is not None and self.write_forward:
+            gathered = _kept(tensor, self.write_forward)
+            if gathered is not None:
                 self._save("forward", name, call, leaf, gathered, type(module).__name__)
 
     def gradients(self, *_: Any) -> None:
@@ -187,7 +199,7 @@ class Capture:
             return
         self._grads_taken = True
         for name, param in self.tracker.parameters():
-            grad = None if param.grad is None else full(param.grad)
+            grad = None if param.grad is None else _kept(param.grad, self.write_grads)
             if self.write_grads:
                 self._save("grad", name, 0, 0, grad)
 

@@ -277,9 +277,10 @@ def _capture_run(
 def _losses(out: Path, step: int) -> str:
     from torchtitan_npu.tools.scalars import GRAD_NORM, LOSS, read_scalars
 
+    runs = [read_scalars(out / x, (LOSS, GRAD_NORM)) for x in "AB"]
     parts = []
     for tag in (LOSS, GRAD_NORM):
-        a, b = (read_scalars(out / x, (tag,))[tag].get(step) for x in "AB")
+        a, b = (run[tag].get(step) for run in runs)
         if a is not None and b is not None:
             rel = abs(a - b) / abs(b) if b else 0.0
             parts.append(
